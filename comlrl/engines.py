@@ -1,0 +1,221 @@
+"""Generation engines behind one interface: vLLM (the default) and Hugging Face `generate`.
+
+An engine takes requests `{"prompt_ids": [...], "n": K, "seed": s}` and returns, per request,
+K samples `{"token_ids": [...], "logprobs": [...]}` (log-probs of the sampled tokens under the
+raw model distribution). `load_weights(state_dict)` swaps in new weights without a restart.
+Engines live inside rollout-worker actors, never in the driver or learner: an in-process vLLM
+engine reseeds global RNGs and pins torch threads of its host process (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# Set before vLLM is imported in an engine's process; no outside server is ever contacted.
+ENGINE_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass
+class SamplingSettings:
+    """What every request of a run samples with."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+
+
+class HFEngine:
+    """Hugging Face `generate`, one call per request, seeded per request like vLLM."""
+
+    def __init__(self, model_path: str, sampling: SamplingSettings, *, dtype: str = "auto",
+                 device: str = "cpu", threads: int | None = None, **_: Any):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
+        self.device = device
+        self.sampling = sampling
+        gen = self.model.generation_config
+        eos = gen.eos_token_id
+        self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else self.eos_ids[0]
+
+    def generate(self, requests: list[dict]) -> list[list[dict]]:
+        import torch
+
+        s = self.sampling
+        results = []
+        for req in requests:
+            ids = torch.tensor([req["prompt_ids"]], device=self.device)
+            gen = torch.Generator(device="cpu").manual_seed(int(req["seed"]))
+            # generate() draws from the global RNG: fork it so the draw depends on the seed only.
+            with torch.random.fork_rng(devices=[]), torch.inference_mode():
+                torch.manual_seed(int(gen.initial_seed()))
+                out = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                    max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                    top_k=s.top_k or 0, num_return_sequences=int(req["n"]),
+                    return_dict_in_generate=True, output_logits=True,
+                    pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+                )
+            new = out.sequences[:, ids.shape[1]:]
+            logp = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+            picked = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            samples = []
+            for row, lp in zip(new.tolist(), picked.tolist()):
+                n = len(row)
+                for i, t in enumerate(row):
+                    if t in self.eos_ids:
+                        n = i + 1
+                        break
+                samples.append({"token_ids": row[:n], "logprobs": lp[:n]})
+            results.append(samples)
+        return results
+
+    def load_weights(self, state_dict: dict) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        import torch
+
+        with torch.inference_mode():
+            ids = torch.tensor([token_ids], device=self.device)
+            logits = self.model(ids).logits.float()
+        logp = logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        return [0.0] + logp.tolist()
+
+    def shutdown(self) -> None:
+        self.model = None
+
+
+class VLLMEngine:
+    """An in-process vLLM engine (V1, no engine subprocess), fed token ids, seeded per request."""
+
+    def __init__(self, model_path: str, sampling: SamplingSettings, *, dtype: str = "auto",
+                 enforce_eager: bool = True, max_model_len: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.5,
+                 tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
+                 seed: int = 0, threads: int | None = None, **_: Any):
+        for key, value in ENGINE_ENV.items():
+            os.environ.setdefault(key, value)
+        import torch
+        from vllm import LLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        kwargs: dict[str, Any] = dict(
+            model=model_path, dtype=dtype, enforce_eager=enforce_eager, seed=seed,
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
+        )
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = enable_sleep_mode
+        elif kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        self.llm = LLM(**kwargs)
+        self.sampling = sampling
+        self.sleeping = False
+
+    def _params(self, n: int, seed: int, max_tokens: int | None = None, **extra: Any):
+        from vllm import SamplingParams
+
+        s = self.sampling
+        return SamplingParams(
+            n=n, seed=seed, temperature=s.temperature, top_p=s.top_p,
+            top_k=s.top_k if s.top_k else -1 if _vllm_topk_minus_one() else 0,
+            max_tokens=max_tokens or s.max_new_tokens, logprobs=0, **extra,
+        )
+
+    def generate(self, requests: list[dict]) -> list[list[dict]]:
+        self.wake()
+        prompts = [{"prompt_token_ids": list(r["prompt_ids"])} for r in requests]
+        params = [self._params(int(r["n"]), int(r["seed"])) for r in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for out in outs:
+            samples = []
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(comp.token_ids)
+                lps = [step[t].logprob for step, t in zip(comp.logprobs, ids)]
+                samples.append({"token_ids": ids, "logprobs": lps})
+            results.append(samples)
+        return results
+
+    def load_weights(self, state_dict: dict) -> None:
+        """Swap weights in place through vLLM's `reload_weights`, then drop stale KV blocks.
+
+        The engine runs in this process, so the worker gets the tensors directly (no pickling
+        through collective_rpc, which turns tensors into lists). Without the prefix-cache reset,
+        a repeated prompt would reuse KV computed with the old weights.
+        """
+        self.wake()
+        weights = list(state_dict.items())
+
+        def _reload(worker):
+            worker.reload_weights(weights_iterator=iter(weights),
+                                  is_checkpoint_format=True)
+
+        self.llm.collective_rpc(_reload)
+        self.llm.reset_prefix_cache()
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of every token of `token_ids` given the ones before (first token: 0)."""
+        self.wake()
+        params = self._params(1, 0, max_tokens=1, prompt_logprobs=0)
+        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
+        plp = out[0].prompt_logprobs
+        return [0.0] + [step[t].logprob for step, t in zip(plp[1:], token_ids[1:])]
+
+    def sleep(self) -> None:
+        if not self.sleeping and _has_gpu():
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def shutdown(self) -> None:
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _vllm_topk_minus_one() -> bool:
+    # vLLM has used both -1 and 0 to mean "top-k off"; 0.32 accepts 0. Kept as one switch.
+    return False
+
+
+def make_engine(name: str, model_path: str, sampling: SamplingSettings, **kwargs: Any):
+    """Build the engine `name` ('vllm' or 'hf') for the model folder `model_path`."""
+    if name == "vllm":
+        return VLLMEngine(model_path, sampling, **kwargs)
+    if name == "hf":
+        return HFEngine(model_path, sampling, **kwargs)
+    raise ValueError(f"rollout_engine must be 'vllm' or 'hf' (got {name!r}).")

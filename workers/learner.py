@@ -1,0 +1,148 @@
+"""Learner: one agent's Hugging Face model and AdamW, updated from group advantages.
+
+A plain class (unit-testable without Ray); `workers.launch` wraps it in `ray.remote`. One
+learner per agent, so agents train in parallel on separate cores or GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng_state.pt"
+
+
+class Learner:
+    def __init__(self, agent_index: int, model_path: str, *, learning_rate: float,
+                 train_batch_size: int, loss_aggregation: str = "sequence",
+                 device: str = "auto", threads: int | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.agent_index = agent_index
+        self.model_path = model_path
+        self.device = device
+        self.train_batch_size = train_batch_size
+        self.loss_aggregation = loss_aggregation
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.to(device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
+                                           weight_decay=0.01)
+        gen = self.model.generation_config
+        pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        self.version = 0
+
+    # ------------------------------------------------------------ training
+
+    def update(self, groups: list[dict], shuffle_seed: int) -> dict[str, float]:
+        """One update from `groups` (one per prompt node): mini-batches of train_batch_size.
+
+        Each group is {"prompt_ids": [...], "completions": [[...] x K], "advantages": [K]}, its
+        completions already cut after EOS. The groups are shuffled with `shuffle_seed` (like
+        comlrl's shuffle, but reproducible) and each mini-batch is ONE padded forward.
+        """
+        import torch
+
+        from comlrl.magrpo import pad_batch, policy_loss, token_logprobs
+
+        order = list(range(len(groups)))
+        random.Random(shuffle_seed).shuffle(order)
+        losses, tokens = [], 0
+        for start in range(0, len(order), self.train_batch_size):
+            batch = [groups[i] for i in order[start:start + self.train_batch_size]]
+            prompts = [g["prompt_ids"] for g in batch for _ in g["completions"]]
+            comps = [c for g in batch for c in g["completions"]]
+            adv = torch.tensor([a for g in batch for a in g["advantages"]], dtype=torch.float32,
+                               device=self.device)
+            ids, attn, target = (t.to(self.device) for t in pad_batch(prompts, comps, self.pad_id))
+            self.optimizer.zero_grad(set_to_none=True)
+            logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            loss = policy_loss(token_logprobs(logits, ids), target, adv,
+                               [len(g["completions"]) for g in batch], self.loss_aggregation)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"agent {self.agent_index}: loss is {loss.item()} (not finite); lower "
+                    f"agent_learning_rate or check the rewards."
+                )
+            loss.backward()
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+            tokens += int(target.sum().item())
+        self.version += 1
+        return {"loss": sum(losses) / len(losses), "trained_tokens": tokens,
+                "version": self.version}
+
+    def sequence_logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probs of each completion under the current weights (no grad)."""
+        import torch
+
+        from comlrl.magrpo import pad_batch, token_logprobs
+
+        ids, attn, target = pad_batch([prompt_ids] * len(completions), completions, self.pad_id)
+        with torch.no_grad():
+            logits = self.model(input_ids=ids.to(self.device),
+                                attention_mask=attn.to(self.device)).logits
+        lp = token_logprobs(logits, ids.to(self.device)).cpu()
+        start = len(prompt_ids)
+        return [lp[b, start:start + len(c)].tolist() for b, c in enumerate(completions)]
+
+    def logits(self, input_ids: list[list[int]]):
+        import torch
+
+        with torch.no_grad():
+            return self.model(input_ids=torch.tensor(input_ids, device=self.device)).logits.cpu()
+
+    def get_weights(self) -> dict:
+        """CPU float tensors for the engines (Ray moves them through the object store)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def get_version(self) -> int:
+        return self.version
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, folder: str) -> list[str]:
+        """Write a `from_pretrained` folder (weights, config, tokenizer) plus optimizer and RNG."""
+        import torch
+
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+        for name in os.listdir(self.model_path):
+            # Tokenizer files travel with the weights so the folder loads on its own.
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                shutil.copy2(Path(self.model_path) / name, out / name)
+        torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+        torch.save({"torch": torch.random.get_rng_state(), "python": random.getstate(),
+                    "version": self.version}, out / RNG_FILE)
+        return sorted(p.name for p in out.iterdir())
+
+    def load(self, folder: str) -> int:
+        """Restore weights, optimizer state, RNG and version from a folder written by `save`."""
+        import torch
+        from safetensors.torch import load_file
+
+        src = Path(folder)
+        state: dict[str, Any] = {}
+        for f in sorted(src.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
+            raise ValueError(f"checkpoint {src} does not match agent {self.agent_index}'s model: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=False))
+        rng = torch.load(src / RNG_FILE, weights_only=False)
+        torch.random.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        self.version = int(rng["version"])
+        return self.version

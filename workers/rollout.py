@@ -1,0 +1,49 @@
+"""Rollout worker: hosts one generation engine for one agent and tags outputs with a version.
+
+A plain class; `workers.launch` wraps it in `ray.remote`. Several workers may serve one agent:
+the driver splits a step's prompts across them, and per-request seeds make the samples the
+same whichever worker draws them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class RolloutWorker:
+    def __init__(self, agent_index: int, model_path: str, engine: str, sampling: dict,
+                 engine_kwargs: dict[str, Any]):
+        from comlrl.engines import SamplingSettings, make_engine
+
+        self.agent_index = agent_index
+        self.engine = make_engine(engine, model_path, SamplingSettings(**sampling), **engine_kwargs)
+        self.version = 0
+
+    def generate(self, requests: list[dict]) -> dict:
+        """Samples for every request, the weight version that drew them, and timing."""
+        start = time.perf_counter()
+        outputs = self.engine.generate(requests) if requests else []
+        return {"outputs": outputs, "version": self.version,
+                "seconds": time.perf_counter() - start,
+                "tokens": sum(len(s["token_ids"]) for out in outputs for s in out)}
+
+    def update_weights(self, version: int, weights: dict) -> float:
+        """Load `weights` as `version`; returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.load_weights(weights)
+        self.version = int(version)
+        return time.perf_counter() - start
+
+    def get_version(self) -> int:
+        return self.version
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        return self.engine.prompt_logprobs(token_ids)
+
+    def sleep(self) -> None:
+        if hasattr(self.engine, "sleep"):
+            self.engine.sleep()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
