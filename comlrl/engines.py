@@ -32,6 +32,8 @@ class SamplingSettings:
     temperature: float
     top_p: float
     top_k: int | None
+    stop_token_ids: tuple = ()
+    """Token ids that end a completion (the tokenizer's eos), besides the model's own."""
 
 
 class HFEngine:
@@ -51,6 +53,7 @@ class HFEngine:
         gen = self.model.generation_config
         eos = gen.eos_token_id
         self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        self.eos_ids = [e for e in self.eos_ids if e is not None] + list(sampling.stop_token_ids)
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else self.eos_ids[0]
 
     def generate(self, requests: list[dict]) -> list[list[dict]]:
@@ -140,8 +143,9 @@ class VLLMEngine:
         s = self.sampling
         return SamplingParams(
             n=n, seed=seed, temperature=s.temperature, top_p=s.top_p,
-            top_k=s.top_k if s.top_k else -1 if _vllm_topk_minus_one() else 0,
-            max_tokens=max_tokens or s.max_new_tokens, logprobs=0, **extra,
+            top_k=s.top_k or 0,
+            max_tokens=max_tokens or s.max_new_tokens, logprobs=0,
+            stop_token_ids=list(s.stop_token_ids), **extra,
         )
 
     def generate(self, requests: list[dict]) -> list[list[dict]]:
@@ -205,11 +209,6 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _vllm_topk_minus_one() -> bool:
-    # vLLM has used both -1 and 0 to mean "top-k off"; 0.32 accepts 0. Kept as one switch.
-    return False
 
 
 def make_engine(name: str, model_path: str, sampling: SamplingSettings, **kwargs: Any):

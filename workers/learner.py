@@ -17,12 +17,15 @@ RNG_FILE = "rng_state.pt"
 
 
 class Learner:
-    def __init__(self, agent_index: int, model_path: str, *, learning_rate: float,
+    def __init__(self, agent_index: int, model_source: str | dict, *, learning_rate: float,
                  train_batch_size: int, loss_aggregation: str = "sequence",
                  device: str = "auto", threads: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
+        from workers.launch import materialize_model
+
+        model_path = materialize_model(model_source)
         if threads:
             torch.set_num_threads(threads)
         if device == "auto":
@@ -54,11 +57,20 @@ class Learner:
 
         from comlrl.magrpo import pad_batch, policy_loss, token_logprobs
 
-        order = list(range(len(groups)))
-        random.Random(shuffle_seed).shuffle(order)
+        # Turn by turn (comlrl updates each turn's nodes separately), shuffled within a turn.
+        rng = random.Random(shuffle_seed)
+        by_turn: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):
+            by_turn.setdefault(int(g.get("turn", 0)), []).append(i)
+        batches = []
+        for turn in sorted(by_turn):
+            order = by_turn[turn]
+            rng.shuffle(order)
+            batches += [order[s:s + self.train_batch_size]
+                        for s in range(0, len(order), self.train_batch_size)]
         losses, tokens = [], 0
-        for start in range(0, len(order), self.train_batch_size):
-            batch = [groups[i] for i in order[start:start + self.train_batch_size]]
+        for batch_ids in batches:
+            batch = [groups[i] for i in batch_ids]
             prompts = [g["prompt_ids"] for g in batch for _ in g["completions"]]
             comps = [c for g in batch for c in g["completions"]]
             adv = torch.tensor([a for g in batch for a in g["advantages"]], dtype=torch.float32,
@@ -117,7 +129,7 @@ class Learner:
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
-        for name in os.listdir(self.model_path):
+        for name in os.listdir(self.model_path) if os.path.isdir(self.model_path) else []:
             # Tokenizer files travel with the weights so the folder loads on its own.
             if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
                 shutil.copy2(Path(self.model_path) / name, out / name)

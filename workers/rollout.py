@@ -12,12 +12,14 @@ from typing import Any
 
 
 class RolloutWorker:
-    def __init__(self, agent_index: int, model_path: str, engine: str, sampling: dict,
+    def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any]):
         from comlrl.engines import SamplingSettings, make_engine
+        from workers.launch import materialize_model
 
         self.agent_index = agent_index
-        self.engine = make_engine(engine, model_path, SamplingSettings(**sampling), **engine_kwargs)
+        self.engine = make_engine(engine, materialize_model(model_source),
+                                  SamplingSettings(**sampling), **engine_kwargs)
         self.version = 0
 
     def generate(self, requests: list[dict]) -> dict:

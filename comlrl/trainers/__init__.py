@@ -1,0 +1,1 @@
+"""Trainers, importable as in comlrl: `from comlrl.trainers.reinforce import MAGRPOTrainer`."""

@@ -1,0 +1,1 @@
+"""The Ray roles: rollout workers (engines), learners, the checkpointer, and their launch."""
