@@ -21,6 +21,7 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
 
@@ -123,7 +124,7 @@ class VLLMEngine:
         if threads:
             torch.set_num_threads(threads)
         kwargs: dict[str, Any] = dict(
-            model=model_path, dtype=dtype, enforce_eager=enforce_eager, seed=seed,
+            model=model_path, dtype=_config_dtype(model_path) if dtype == "auto" else dtype, enforce_eager=enforce_eager, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
         )
         if max_model_len:
@@ -203,6 +204,19 @@ class VLLMEngine:
         if engine_core is not None:
             engine_core.shutdown()
         self.llm = None
+
+
+def _config_dtype(model_path: str) -> str:
+    """The dtype the model was saved in: vLLM's own 'auto' turns float32 into bfloat16 on CPU,
+    and the engine must compute what the float32 learner computes."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
 
 
 def _has_gpu() -> bool:
