@@ -7,6 +7,7 @@ from a journal rewritten after every log (offline W&B cannot tell us).
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,10 @@ class WandbRun:
         kwargs: dict[str, Any] = {k: self.config[k] for k in _INIT_KEYS if k in self.config}
         if "name" not in kwargs and self.config.get("run_name"):
             kwargs["name"] = self.config["run_name"]
+        # wandb reads WANDB_DIR once per process; read it at every init so that each run
+        # (and each test) goes where the environment says at that moment.
+        if not kwargs.get("dir") and os.environ.get("WANDB_DIR"):
+            kwargs["dir"] = os.environ["WANDB_DIR"]
         if kwargs.get("dir"):
             Path(kwargs["dir"]).mkdir(parents=True, exist_ok=True)
         # Flush every second so a SIGKILL loses at most about a second of metrics.

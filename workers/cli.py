@@ -102,6 +102,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """A copy of `raw` with every `key=value` in `overrides` applied, in order."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a YAML mapping of keys (got {type(raw).__name__}).")
     out = copy.deepcopy(raw)
     for text in overrides:
         path, value = parse_override(text)
@@ -166,7 +168,7 @@ def build_job_config(raw: dict) -> JobConfig:
                           f"num_agents={job.num_agents!r}; set only num_agents.")
     try:
         MAGRPOConfig(**{**job.magrpo, "num_agents": job.num_agents})
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:  # TypeError: e.g. a string where a number goes
         raise ConfigError(f"magrpo: {exc}") from exc
     tiny_kwargs(job.model)  # validates a `tiny:` mapping early
     return job

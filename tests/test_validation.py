@@ -1,0 +1,102 @@
+"""Bad input fails at construction with a ValueError naming the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+
+def reward(c1, c2):
+    return [0.0] * len(c1)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_generations", 1, "num_generations must be >= 2"),
+    ("num_train_epochs", 0, "num_train_epochs must be >= 1"),
+    ("rollout_buffer_size", -1, "rollout_buffer_size must be >= 1"),
+    ("advantage_mode", "median", "advantage_mode must be one of: mean, raw, max, rloo"),
+    ("joint_mode", "diagonal", "Unsupported joint_mode"),
+    ("rollout_engine", "sglang", "rollout_engine must be 'vllm' or 'hf'"),
+    ("top_p", 0.0, "top_p must be in"),
+    ("temperature", 0.0, "temperature must be > 0"),
+    ("eval_interval", -1, "eval_interval must be >= 0"),
+    ("logging_steps", 0, "logging_steps must be >= 1"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+])
+def test_config_rejects_bad_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        MAGRPOConfig(**{field: value})
+
+
+def test_config_defaults_are_comlrls():
+    c = MAGRPOConfig()
+    assert (c.num_train_epochs, c.agent_learning_rate, c.logging_steps, c.num_agents) == \
+        (20, 5e-6, 50, 2)
+    assert (c.num_generations, c.max_new_tokens, c.temperature, c.top_p, c.top_k) == \
+        (4, 256, 0.6, 0.6, 50)
+    assert (c.num_turns, c.discount, c.joint_mode, c.early_termination_threshold) == \
+        (2, 1.0, "aligned", -0.2)
+    assert (c.eval_interval, c.eval_num_samples, c.eval_batch_size) == (16, 4, 1)
+    assert (c.rollout_buffer_size, c.train_batch_size, c.advantage_normalization) == (2, 2, True)
+    assert (c.advantage_mode, c.reference_kl_enabled, c.reference_kl_coef) == ("mean", False, 0.1)
+    assert c.external_prompt_passthrough is False
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return {"model": AutoModelForCausalLM.from_pretrained(tiny_model),
+            "tokenizer": AutoTokenizer.from_pretrained(tiny_model),
+            "data": Dataset.from_dict({"prompt": ["a", "b"]})}
+
+
+def build(parts, **kw):
+    args = dict(agents=[parts["model"], parts["model"]], tokenizer=parts["tokenizer"],
+                reward_func=reward, train_dataset=parts["data"], args=MAGRPOConfig(num_turns=1))
+    args.update(kw)
+    return MAGRPOTrainer(**args)
+
+
+def test_construction_starts_nothing_heavy(parts):
+    import sys
+
+    build(parts)
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+    assert "vllm" not in sys.modules
+
+
+def test_dataset_without_prompt_is_refused(parts):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="train_dataset has no 'prompt' column.*rename_column"):
+        build(parts, train_dataset=Dataset.from_dict({"text": ["a"]}))
+
+
+def test_tokenizer_without_eos_or_pad_is_refused(parts, tiny_model):
+    from transformers import AutoTokenizer
+
+    no_pad = AutoTokenizer.from_pretrained(tiny_model)
+    no_pad.pad_token = None
+    with pytest.raises(ValueError, match="tokenizer 0 has no pad_token.*pad_token = "):
+        build(parts, tokenizer=no_pad)
+    no_eos = AutoTokenizer.from_pretrained(tiny_model)
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="tokenizer 0 has no eos_token"):
+        build(parts, tokenizer=no_eos)
+
+
+def test_other_misuse_keeps_comlrls_error_words(parts):
+    with pytest.raises(ValueError, match="Either agent_model or agents must be provided"):
+        MAGRPOTrainer(tokenizer=parts["tokenizer"], reward_func=reward,
+                      train_dataset=parts["data"])
+    with pytest.raises(ValueError, match="reward_func must be a callable"):
+        build(parts, reward_func=None)
+    with pytest.raises(ValueError, match="Multi-turn MAGRPO requires an external_transition"):
+        build(parts, args=MAGRPOConfig(num_turns=2))
+    with pytest.raises(ValueError, match="one list of completions per agent"):
+        build(parts, reward_func=lambda c1, c2, c3: [0.0])
+    with pytest.raises(ValueError, match="Number of formatters must match num_agents"):
+        build(parts, formatters=[lambda r: r["prompt"]])
