@@ -1,0 +1,349 @@
+"""The seed example end to end: this project against comlrl 1.4.3, same user script, same run.
+
+For each model size, `seed_user_script.py` (2 agents, the 4 seed prompts, K=4, 64 new tokens,
+one turn, logging_steps=1, the length-ratio reward, W&B offline in a temp WANDB_DIR) runs in
+its own subprocess, once with this project's .venv and once with benchmarks/.venv-comlrl
+(comlrl 1.4.3, created on first use with the same torch and transformers). Epoch times come
+from the `_timestamp` of each logged step in the run's W&B file (`wandb leet inspect --json`):
+both libraries log once per rollout buffer, so the last point of epoch k closes epoch k.
+
+Per side: start-up (constructing the trainer to the end of epoch 1, minus one steady epoch),
+time to the first logged step, seconds per epoch in steady state (epochs 2..N), total train()
+time, and the ratio comlrl / ours; median and (min-max) spread over --repeats. It also
+measures the floor of this machine in the same run: fp32 matmul GFLOP/s on 2 threads, memory
+copy GB/s, and one forward+backward of each model over 16 sequences of 80 tokens.
+
+    python benchmarks/bench_seed.py [--short] [--sizes 0.43M,10M,76.6M] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+bl.apply_env()
+
+COMLRL_VENV = bl.BENCH_DIR / ".venv-comlrl"
+USER_SCRIPT = bl.BENCH_DIR / "seed_user_script.py"
+PROMPTS, K = 4, 4
+STEPS_PER_EPOCH = PROMPTS * K          # env_steps per epoch (aligned, one turn)
+DEFAULT_EPOCHS = {"0.43M": 6, "10M": 5, "76.6M": 4}
+UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
+
+
+# ---------------------------------------------------------------- the comlrl 1.4.3 virtualenv
+
+
+def _probe(python: Path) -> dict | None:
+    code = ("import json, importlib.metadata as m; import comlrl.trainers.reinforce; "
+            "print(json.dumps({p: m.version(p) for p in ('comlrl', 'torch', 'transformers', "
+            "'wandb', 'datasets')}))")
+    try:
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                             timeout=300, cwd=tempfile.gettempdir())
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ensure_comlrl_venv() -> dict:
+    """Create (once) and check benchmarks/.venv-comlrl: comlrl 1.4.3 with our torch/transformers.
+
+    Same torch and transformers as this project, so the comparison measures the trainers, not
+    the kernels. PyPI's CUDA builds of torchvision/torchaudio break imports on CPU: removed.
+    """
+    import importlib.metadata as md
+
+    python = COMLRL_VENV / "bin" / "python"
+    versions = _probe(python) if python.exists() else None
+    if versions and versions["comlrl"] == "1.4.3":
+        return versions
+    torch_v = md.version("torch").split("+")[0]
+    tf_v = md.version("transformers")
+    print(f"setting up {COMLRL_VENV} (comlrl==1.4.3, torch=={torch_v}, "
+          f"transformers=={tf_v}); a few minutes, once", flush=True)
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(COMLRL_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run(pip + ["comlrl==1.4.3", f"torch=={torch_v}", f"transformers=={tf_v}"],
+                   check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", *UNINSTALL],
+                   check=False, capture_output=True)
+    versions = _probe(python)
+    if not versions or versions["comlrl"] != "1.4.3":
+        raise SystemExit(f"{COMLRL_VENV}: comlrl 1.4.3 does not import; delete the folder and "
+                         f"run again")
+    return versions
+
+
+# ---------------------------------------------------------------- one side, one run
+
+
+def wandb_history(wandb_dir: Path) -> list[dict]:
+    """History rows of the single offline run under `wandb_dir`."""
+    files = sorted(Path(wandb_dir).glob("wandb/offline-run-*/*.wandb"))
+    if not files:
+        return []
+    exe = Path(sys.executable).parent / "wandb"
+    out = subprocess.run([str(exe), "leet", "inspect", "--json", str(files[-1])],
+                         capture_output=True, text=True, check=True)
+    rows = []
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("type") == "history":
+                rows.append(dict(rec["history"]["item"]))
+    return rows
+
+
+def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bool,
+             timeout: float) -> dict:
+    python = bl.ROOT / ".venv" / "bin" / "python" if side == "ours" else \
+        COMLRL_VENV / "bin" / "python"
+    with tempfile.TemporaryDirectory(prefix=f"bench-seed-{side}-") as tmp:
+        tmp = Path(tmp)
+        env = {**os.environ, **bl.BENCH_ENV, "WANDB_DIR": str(tmp)}
+        env.pop("RAY_ADDRESS", None)
+        cmd = [str(python), str(USER_SCRIPT), "--model", str(model), "--epochs", str(epochs),
+               "--out", str(tmp / "times.json")]
+        if checkpoint:
+            cmd += ["--checkpoint-dir", str(tmp / "checkpoints")]
+        start = time.time()
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
+        wall = time.time() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"{side} run failed (exit {proc.returncode}); see {log_path}")
+        times = json.loads((tmp / "times.json").read_text())
+        rows = wandb_history(tmp)
+    return analyse(side, times, rows, epochs, wall)
+
+
+def analyse(side: str, times: dict, rows: list[dict], epochs: int, wall: float) -> dict:
+    train_rows = sorted((r for r in rows if "turn_1/reward_mean" in r), key=lambda r: r["_step"])
+    if not train_rows:
+        raise RuntimeError(f"{side}: no training points in the W&B run")
+    begin = times["models_loaded"]          # just before MAGRPOTrainer(...)
+    by_epoch: dict[int, list[dict]] = {}
+    for r in train_rows:
+        by_epoch.setdefault(math.ceil(r["_step"] / STEPS_PER_EPOCH), []).append(r)
+    if sorted(by_epoch) != list(range(1, epochs + 1)):
+        raise RuntimeError(f"{side}: logged epochs {sorted(by_epoch)}, expected 1..{epochs}")
+    ends = [max(r["_timestamp"] for r in by_epoch[e]) for e in range(1, epochs + 1)]
+    epoch_s = [ends[0] - begin] + [b - a for a, b in zip(ends, ends[1:])]
+    steady = bl.median(epoch_s[1:]) if epochs > 1 else None
+    first = train_rows[0]
+    out = {
+        "side": side,
+        "epoch_s": epoch_s,
+        "steady_epoch_s": steady,
+        "startup_s": (epoch_s[0] - steady) if steady is not None else None,
+        "first_step_s": first["_timestamp"] - begin,
+        "train_total_s": times["trained"] - begin,
+        "process_wall_s": wall,
+        "import_s": times["imported"] - times["process_start"],
+        "final_reward_mean": train_rows[-1]["turn_1/reward_mean"],
+    }
+    if "timing/generation_s" in first:
+        # Our per-step timers: where a steady epoch goes; the rest is reward, decoding, logging
+        # and Ray round trips in the driver.
+        keys = {"generation": "timing/generation_s", "learning": "timing/learning_s",
+                "weight_sync": "timing/weight_sync_s"}
+        steady_epochs = range(2, epochs + 1)
+        for name, key in keys.items():
+            out[f"{name}_per_epoch_s"] = bl.median(
+                [sum(r.get(key, 0.0) for r in by_epoch[e]) for e in steady_epochs])
+        if steady is not None:
+            out["other_per_epoch_s"] = steady - sum(out[f"{n}_per_epoch_s"] for n in keys)
+        out["tokens_per_s"] = bl.median([r.get("throughput/generation_tokens_per_s")
+                                         for e in steady_epochs for r in by_epoch[e]])
+        step1 = sum(first.get(k, 0.0) for k in keys.values())
+        # train() start to the first rollout: Ray, actors, engines, W&B init, fingerprints.
+        out["ray_engines_startup_s"] = first["_timestamp"] - times["constructed"] - step1
+        out["first_step_generation_s"] = first.get("timing/generation_s")
+    return out
+
+
+# ---------------------------------------------------------------- the floor
+
+
+def measure_floor(sizes: list[str]) -> dict:
+    """What this machine can do at best: matmul, memory copy, one learner-sized fwd+bwd."""
+    import torch
+
+    torch.set_num_threads(2)
+    n, iters = 1024, 20
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    gflops = 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e9
+    src = torch.ones(64 * 1024 * 1024)               # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    copy_gbs = src.numel() * 4 * 5 / (time.perf_counter() - t) / 1e9
+    del src, dst
+    floor = {"threads": torch.get_num_threads(), "matmul_gflops": gflops,
+             "copy_gbs": copy_gbs, "models": {}}
+    for size in sizes:
+        floor["models"][size] = fwd_bwd(bl.model_path(size), gflops, copy_gbs)
+    return floor
+
+
+def fwd_bwd(folder: Path, gflops: float, copy_gbs: float) -> dict:
+    """One forward+backward over 16 sequences of 80 tokens (one update of both agents) and
+    a rough per-epoch floor: 2 updates, plus decoding 2 agents x 2 chunks x 64 steps."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (16, 80), generator=g)
+    times = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        logits = model(input_ids=ids, use_cache=False).logits
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
+        logp.sum().backward()
+        times.append(time.perf_counter() - t)
+    s = min(times[1:])
+    tokens = ids.numel()
+    decode_steps = 2 * 2 * 64                       # chunks x agents x tokens, batch of 8 each
+    decode_bytes = decode_steps * params * 4        # each step reads the weights once
+    decode_flops = 2 * params * PROMPTS * K * 64 * 2
+    gen_floor = max(decode_bytes / (copy_gbs * 1e9), decode_flops / (gflops * 1e9))
+    return {"params": params, "fwd_bwd_16x80_s": s,
+            "fwd_bwd_gflops": 6 * params * tokens / s / 1e9,
+            "epoch_floor_learning_s": 2 * s, "epoch_floor_generation_s": gen_floor,
+            "epoch_floor_s": 2 * s + gen_floor}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--short", action="store_true",
+                   help="smallest model, 1 repeat, 2 epochs (a quick check, under a minute)")
+    p.add_argument("--sizes", help=f"comma list of {', '.join(bl.SIZES)} (default: all)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per side (median, spread)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"epochs per run (default {DEFAULT_EPOCHS}); epoch 1 is warm-up")
+    p.add_argument("--sides", default="ours,comlrl", help="ours, comlrl or both")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="checkpoint every epoch like the seed example (keep the newest)")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor measurements")
+    a = p.parse_args()
+    sizes = bl.parse_sizes(a.sizes, a.short)
+    repeats = 1 if a.short else a.repeats
+    sides = [s.strip() for s in a.sides.split(",") if s.strip()]
+    epochs_of = {s: a.epochs or (2 if a.short else DEFAULT_EPOCHS[s]) for s in sizes}
+
+    versions = ensure_comlrl_venv() if "comlrl" in sides else None
+    logs = bl.RESULTS_DIR / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    models = {s: bl.model_path(s) for s in sizes}
+    counts = {s: bl.param_count(models[s]) for s in sizes}
+    for s in sizes:
+        print(f"model {s}: {counts[s]:,} parameters, {epochs_of[s]} epochs, {models[s]}",
+              flush=True)
+    floor = None if a.no_floor else measure_floor(sizes)
+
+    runs: dict[str, dict[str, list[dict]]] = {s: {side: [] for side in sides} for s in sizes}
+    for size in sizes:
+        for r in range(repeats):
+            # Alternate which side goes first, so drift in the machine's load hits both.
+            order = sides if r % 2 == 0 else list(reversed(sides))
+            for side in order:
+                timeout = 900 + 300 * epochs_of[size]
+                res = run_side(side, models[size], epochs_of[size],
+                               logs / f"seed-{size}-{side}-{r}.log", a.checkpoint, timeout)
+                runs[size][side].append(res)
+                print(f"  {size} {side} run {r + 1}/{repeats}: steady epoch "
+                      f"{bl.fmt(res['steady_epoch_s'])} s, start-up {bl.fmt(res['startup_s'])} s,"
+                      f" train() {bl.fmt(res['train_total_s'])} s", flush=True)
+
+    summary, rows = {}, []
+    for size in sizes:
+        summary[size] = {}
+        for side in sides:
+            rs = runs[size][side]
+            agg = {}
+            for key in ("steady_epoch_s", "startup_s", "first_step_s", "train_total_s",
+                        "process_wall_s", "generation_per_epoch_s", "learning_per_epoch_s",
+                        "weight_sync_per_epoch_s", "other_per_epoch_s", "tokens_per_s",
+                        "ray_engines_startup_s"):
+                vals = [x.get(key) for x in rs if x.get(key) is not None]
+                if vals:
+                    agg[key] = {"median": bl.median(vals), "min": min(vals), "max": max(vals)}
+            summary[size][side] = agg
+            med = lambda k: agg.get(k, {}).get("median")
+            rng = lambda k: f"{bl.fmt(agg[k]['min'])}-{bl.fmt(agg[k]['max'])}" if k in agg else "-"
+            rows.append([size, f"{counts[size]:,}", side, med("startup_s"), med("first_step_s"),
+                         med("steady_epoch_s"), rng("steady_epoch_s"), med("train_total_s"),
+                         f"{epochs_of[size]}x{len(rs)}"])
+        if "ours" in sides and "comlrl" in sides:
+            o, c = summary[size]["ours"], summary[size]["comlrl"]
+            ratio = {k: c[k]["median"] / o[k]["median"]
+                     for k in ("steady_epoch_s", "startup_s", "first_step_s", "train_total_s")
+                     if k in o and k in c and o[k]["median"] and c[k]["median"] is not None}
+            summary[size]["ratio_comlrl_over_ours"] = ratio
+            rows.append([size, "", "ratio comlrl/ours", ratio.get("startup_s"),
+                         ratio.get("first_step_s"), ratio.get("steady_epoch_s"), "",
+                         ratio.get("train_total_s"), ""])
+
+    cols = ["model", "params", "side", "start-up s", "to 1st step s", "epoch s (steady)",
+            "epoch spread", "train() s", "epochs x runs"]
+    print("\n## Seed example: this project vs comlrl 1.4.3\n")
+    print(bl.table(cols, rows))
+    prof_rows = []
+    for size in sizes:
+        o = summary[size].get("ours", {})
+        if "steady_epoch_s" in o:
+            m = lambda k: o.get(k, {}).get("median")
+            prof_rows.append([size, m("steady_epoch_s"), m("generation_per_epoch_s"),
+                              m("learning_per_epoch_s"), m("weight_sync_per_epoch_s"),
+                              m("other_per_epoch_s"), m("tokens_per_s"),
+                              m("ray_engines_startup_s")])
+    if prof_rows:
+        print("\n## Our steady epoch, by phase (W&B timing/*, medians)\n")
+        print(bl.table(["model", "epoch s", "generation s", "learning s", "weight push s",
+                        "other s", "gen tok/s", "Ray+engines start s"], prof_rows))
+    if floor:
+        print(f"\n## Floor: matmul {floor['matmul_gflops']:.1f} GFLOP/s on "
+              f"{floor['threads']} threads, memory copy {floor['copy_gbs']:.1f} GB/s\n")
+        print(bl.table(["model", "params", "fwd+bwd 16x80 s", "GFLOP/s",
+                        "epoch floor: learning s", "generation s", "total s"],
+                       [[s, f"{f['params']:,}", f["fwd_bwd_16x80_s"], f["fwd_bwd_gflops"],
+                         f["epoch_floor_learning_s"], f["epoch_floor_generation_s"],
+                         f["epoch_floor_s"]] for s, f in floor["models"].items()]))
+    path = bl.write_results("bench_seed" + ("_short" if a.short else ""), {
+        "settings": {"sizes": sizes, "repeats": repeats, "epochs": epochs_of, "sides": sides,
+                     "checkpoint": a.checkpoint, "params": counts},
+        "comlrl_venv": versions, "floor": floor, "summary": summary, "runs": runs,
+        "loadavg_at_end": os.getloadavg()})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Shared pieces of the benchmark scripts: environment, model sizes, tables and JSON results.
+
+Every benchmark imports this first: `apply_env()` must run before Ray, vLLM or W&B is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = ROOT / "benchmarks"
+RESULTS_DIR = BENCH_DIR / "results"
+MODELS_DIR = BENCH_DIR / ".models"
+
+# Every benchmark process (and every process it starts) runs with these: Ray on loopback,
+# no auth, no usage reporting, vLLM/W&B/HF never call out, W&B offline.
+BENCH_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+# The three model shapes of the issue. intermediate_size = 2 x hidden lands each parameter
+# count on the issue's number (0.43 M, ~10 M, 76.6 M); vocab 512, untied head.
+SIZES = {
+    "0.43M": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=256),
+    "10M": dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                intermediate_size=1024),
+    "76.6M": dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
+                  intermediate_size=2048),
+}
+
+
+def apply_env() -> None:
+    os.environ.update(BENCH_ENV)
+
+
+def parse_sizes(text: str | None, short: bool) -> list[str]:
+    if short:
+        return ["0.43M"]
+    if not text:
+        return list(SIZES)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SIZES]
+    if unknown:
+        raise SystemExit(f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
+    return names
+
+
+def model_path(size: str) -> Path:
+    """The model folder of `size`, built once (seed 0) and reused by every benchmark."""
+    shape = SIZES[size]
+    folder = MODELS_DIR / (f"{size}-h{shape['hidden_size']}-l{shape['num_layers']}"
+                           f"-i{shape['intermediate_size']}")
+    if not (folder / "model.safetensors").exists():
+        from comlrl.tiny_model import build_tiny_model
+
+        build_tiny_model(folder, seed=0, **shape)
+    return folder
+
+
+def param_count(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(Path(folder) / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            n = 1
+            for d in f.get_slice(key).get_shape():
+                n *= d
+            total += n
+    return total
+
+
+def state_bytes(folder: Path) -> int:
+    return (Path(folder) / "model.safetensors").stat().st_size
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def spread(xs):
+    """(min, max) of the values, the spread reported next to each median."""
+    xs = [x for x in xs if x is not None]
+    return (min(xs), max(xs)) if xs else (None, None)
+
+
+def fmt(x, digits=2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return str(x)
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if 0 < abs(x) < 0.1:
+        return f"{x:.2g}" if digits <= 2 else f"{x:.{digits}g}"
+    return f"{x:.{digits}f}"
+
+
+def table(columns: list[str], rows: list[list]) -> str:
+    """A Markdown table (readable on a terminal too)."""
+    cells = [[fmt(c) if not isinstance(c, str) else c for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(columns)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
+    out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def machine_info() -> dict:
+    model = platform.processor() or ""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    info = {"cpu_model": model, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "loadavg_at_start": load,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.is_available()
+    except ImportError:
+        pass
+    return info
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine_info(), "argv": sys.argv[1:], **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+class Stopwatch:
+    """`with Stopwatch() as sw: ...; sw.seconds`."""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start

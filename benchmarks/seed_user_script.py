@@ -1,0 +1,91 @@
+"""The seed example's training half as a user writes it, with timestamps around each phase.
+
+bench_seed.py runs this very file twice: with this project's virtualenv and with one holding
+comlrl 1.4.3. Both import `comlrl` the same way, so the only difference is the library. It
+imports nothing from this repository and writes its timestamps (time.time()) to --out.
+
+    python seed_user_script.py --model DIR --epochs N --out times.json [--checkpoint-dir D]
+"""
+
+import time
+
+T_PROCESS = time.time()
+
+import argparse
+import json
+import math
+import os
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--epochs", type=int, required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--checkpoint-dir", default=None,
+                    help="checkpoint every epoch (keeping the newest), as the seed example does")
+cli = parser.parse_args()
+os.environ.setdefault("WANDB_MODE", "offline")
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+T_IMPORTED = time.time()
+
+model_name = cli.model
+tokenizer = AutoTokenizer.from_pretrained(model_name)
+train_dataset = Dataset.from_dict({
+    "prompt": [
+        "Describe a city in the clouds:",
+        "Invent a new holiday and explain it:",
+        "Write a bedtime story for a dragon:",
+        "Design a playground on Mars:",
+    ]
+})
+
+
+def length_ratio_reward(completions1, completions2):
+    rewards = []
+    for first, second in zip(completions1, completions2):
+        ratio = len(second) / max(len(first), 1)
+        distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
+        rewards.append(math.exp(-distance))
+    return rewards
+
+
+config = MAGRPOConfig(
+    num_turns=1,
+    num_train_epochs=cli.epochs,
+    num_generations=4,
+    max_new_tokens=64,
+    logging_steps=1,
+)
+agents = [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)]
+T_MODELS = time.time()
+trainer = MAGRPOTrainer(
+    agents=agents,
+    tokenizer=tokenizer,
+    reward_func=length_ratio_reward,
+    train_dataset=train_dataset,
+    args=config,
+    wandb_config={"project": "comlrl-bench", "name": "bench-seed"},
+)
+T_CONSTRUCTED = time.time()
+if cli.checkpoint_dir:
+    trainer.train(checkpoint_dir=cli.checkpoint_dir, checkpoint_interval=1,
+                  checkpoint_total_limit=1)
+else:
+    trainer.train()
+T_TRAINED = time.time()
+try:  # comlrl 1.4.3 leaves its W&B run open after train(); close it like a script's end does
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()
+except ImportError:
+    pass
+T_FINISHED = time.time()
+
+with open(cli.out, "w") as f:
+    json.dump({"process_start": T_PROCESS, "imported": T_IMPORTED, "models_loaded": T_MODELS,
+               "constructed": T_CONSTRUCTED, "trained": T_TRAINED, "finished": T_FINISHED,
+               "model_loaded_from": model_name}, f)
