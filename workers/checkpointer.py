@@ -8,7 +8,9 @@ background while the driver goes on training.
 from __future__ import annotations
 
 import io
+import os
 import shutil
+import time
 from pathlib import Path
 
 from comlrl.checkpoint import clean_leftovers, commit_checkpoint, staging_path
@@ -39,4 +41,7 @@ class Checkpointer:
         buf = io.BytesIO()
         torch.save(driver_state, buf)
         (staging / "driver_state.pt").write_bytes(buf.getvalue())
+        # Fault-injection knob for tests: hold the checkpoint in staging for this long, so a
+        # kill can land while it is half written.
+        time.sleep(float(os.environ.get("COMLRL_CHECKPOINT_PAUSE_S", "0")))
         return str(commit_checkpoint(staging, metadata, self.total_limit))

@@ -1,0 +1,60 @@
+"""The seed example's trainer, run as its own process by the resume tests.
+
+    python tests/seed_script.py --model M --checkpoint-dir D --epochs N [--resume PATH|latest]
+"""
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--checkpoint-dir", required=True)
+parser.add_argument("--epochs", type=int, required=True)
+parser.add_argument("--resume", default=None)
+parser.add_argument("--name", default="seed")
+parser.add_argument("--override", action="append", default=[],
+                    help="MAGRPOConfig field=value (python literal)")
+cli = parser.parse_args()
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from comlrl.utils import read_checkpoint_metadata
+
+PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
+           "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
+
+
+def length_ratio_reward(completions1, completions2):
+    rewards = []
+    for first, second in zip(completions1, completions2):
+        ratio = len(second) / max(len(first), 1)
+        distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
+        rewards.append(math.exp(-distance))
+    return rewards
+
+
+settings = dict(num_turns=1, num_train_epochs=cli.epochs, num_generations=4, max_new_tokens=64,
+                logging_steps=1)
+for item in cli.override:
+    key, value = item.split("=", 1)
+    settings[key] = eval(value)
+wandb_config = {"project": "comlrl-tests", "name": cli.name}
+resume = cli.resume
+if resume == "latest":
+    resume = str(max(Path(cli.checkpoint_dir).glob("checkpoint-*"),
+                     key=lambda p: int(p.name.rsplit("-", 1)[1])))
+if resume:
+    wandb_config = {**wandb_config, **read_checkpoint_metadata(resume)["wandb"],
+                    "resume": "allow"}
+trainer = MAGRPOTrainer(
+    agents=[AutoModelForCausalLM.from_pretrained(cli.model) for _ in range(2)],
+    tokenizer=AutoTokenizer.from_pretrained(cli.model), reward_func=length_ratio_reward,
+    train_dataset=Dataset.from_dict({"prompt": PROMPTS}), args=MAGRPOConfig(**settings),
+    wandb_config=wandb_config)
+trainer.train(checkpoint_dir=cli.checkpoint_dir, checkpoint_interval=1,
+              resume_from_checkpoint=resume)
+print(f"DONE env_step={trainer.env_step} pid={os.getpid()}")

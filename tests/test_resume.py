@@ -1,0 +1,337 @@
+"""Checkpoints and resume: same W&B run, bit-identical curves and weights, even after kill -9.
+
+Each run is its own process (its own local Ray), like a user's job, via tests/seed_script.py
+and examples/resume_demo.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from comlrl.checkpoint import CheckpointError, read_checkpoint_metadata, verify_checksums
+from tests.conftest import ROOT, wandb_history
+
+pytestmark = pytest.mark.e2e
+
+# Values that must match between runs (timings and throughput naturally differ).
+COMPARED = ("turn_1/reward_mean", "turn_1/expected_return", "agent_0/loss", "agent_1/loss",
+            "agent_0/completion_length", "agent_1/completion_length",
+            "agent_0/policy_version", "agent_1/policy_version", "train/epoch")
+
+
+def _env(wandb_dir: Path, **extra: str) -> dict:
+    env = {**os.environ, "WANDB_DIR": str(wandb_dir), "PYTHONPATH": str(ROOT), **extra}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _seed_cmd(model, ckpt, epochs, resume=None, *overrides):
+    cmd = [sys.executable, str(ROOT / "tests" / "seed_script.py"), "--model", model,
+           "--checkpoint-dir", str(ckpt), "--epochs", str(epochs)]
+    if resume:
+        cmd += ["--resume", str(resume)]
+    for o in overrides:
+        cmd += ["--override", o]
+    return cmd
+
+
+def _run(cmd, env, timeout=420):
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _by_step(history):
+    out = {}
+    for rec in history:
+        assert rec["_step"] not in out, f"env_step {rec['_step']} logged twice"
+        out[rec["_step"]] = {k: rec[k] for k in COMPARED if k in rec}
+    return out
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    for agent in ("agent_0", "agent_1"):
+        wa, wb = _weights(a / agent), _weights(b / agent)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert (wa[k] == wb[k]).all(), f"{agent} {k} differs"
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model, tmp_path_factory):
+    """4 epochs in one call, one process."""
+    d = tmp_path_factory.mktemp("straight")
+    _run(_seed_cmd(tiny_model, d / "ckpt", 4), _env(d / "wandb"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def seed_example(tmp_path_factory):
+    """examples/resume_demo.py as written: 2 epochs, then resume to 4 in a new trainer."""
+    d = tmp_path_factory.mktemp("example")
+    env = _env(d / "wandb")
+    env.pop("WANDB_DIR")
+    proc = _run([sys.executable, str(ROOT / "examples" / "resume_demo.py"),
+                 "--output-dir", str(d)], env, timeout=600)
+    return d, proc
+
+
+def test_seed_example_runs_as_written_into_one_wandb_run(seed_example):
+    d, proc = seed_example
+    ckpt = d / "checkpoints" / "resume-demo"
+    assert sorted(p.name for p in ckpt.glob("checkpoint-*")) == \
+        ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"]
+    meta = read_checkpoint_metadata(ckpt / "checkpoint-4")
+    assert meta["env_step"] == 64 and meta["epoch"] == 4
+    assert set(meta["wandb"]) == {"id", "project", "entity", "name"}
+    assert meta["wandb"]["project"] == "comlrl-examples" and meta["wandb"]["name"] == "resume-demo"
+    run_id = meta["wandb"]["id"]
+    assert read_checkpoint_metadata(ckpt / "checkpoint-2")["wandb"]["id"] == run_id
+    folders = sorted((d / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(folders) == 2, "both halves log to the same run id"
+    history = wandb_history(d, run_id)
+    assert sorted(_by_step(history)) == list(range(8, 65, 8))
+
+
+def test_split_run_matches_straight_run_bit_for_bit(straight, seed_example, tiny_model):
+    d, _ = seed_example
+    s_hist = _by_step(wandb_history(straight / "wandb"))
+    e_hist = _by_step(wandb_history(d))
+    assert sorted(s_hist) == sorted(e_hist) == list(range(8, 65, 8))
+    for step in s_hist:
+        assert s_hist[step] == e_hist[step], step        # exact equality, no tolerance
+    _same_weights(straight / "ckpt" / "checkpoint-4",
+                  d / "checkpoints" / "resume-demo" / "checkpoint-4")
+
+
+class _Watcher(threading.Thread):
+    """Polls checkpoint_dir: every folder named checkpoint-N must be whole when seen."""
+
+    def __init__(self, ckpt: Path):
+        super().__init__(daemon=True)
+        self.ckpt, self.stop, self.seen, self.problems = ckpt, False, set(), []
+
+    def run(self):
+        while not self.stop:
+            for p in list(self.ckpt.glob("checkpoint-*")) if self.ckpt.exists() else []:
+                if p.name in self.seen:
+                    continue
+                try:
+                    verify_checksums(p)
+                    self.seen.add(p.name)
+                except (CheckpointError, FileNotFoundError) as exc:
+                    if p.exists():  # pruned between glob and read is fine
+                        self.problems.append(f"{p.name}: {exc}")
+            time.sleep(0.02)
+
+
+def _journal_step(ckpt: Path) -> int:
+    try:
+        return json.loads((ckpt / "wandb-journal.json").read_text())["last_step"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = _env(tmp_path / "wandb")
+    watcher = _Watcher(ckpt)
+    watcher.start()
+    proc = subprocess.Popen(_seed_cmd(tiny_model, ckpt, 4), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while _journal_step(ckpt) < 40 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert _journal_step(ckpt) in (40, 48), "expected to stop part-way through epoch 3"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        time.sleep(2)  # let orphaned W&B/Ray helpers notice, then clear the process group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert sorted(p.name for p in ckpt.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2"), env)
+    watcher.stop = True
+    watcher.join()
+    assert not watcher.problems, watcher.problems
+    assert watcher.seen == {f"checkpoint-{i}" for i in range(1, 5)}
+
+    run_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
+    assert len(list((tmp_path / "wandb" / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
+    history = wandb_history(tmp_path / "wandb", run_id)
+    got = _by_step(history)  # asserts no env_step twice across the two run files
+    want = _by_step(wandb_history(straight / "wandb"))
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == want[step], step
+    _same_weights(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
+
+
+def test_kill_while_checkpoint_is_written_keeps_earlier_ones(tiny_model, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = _env(tmp_path / "wandb", COMLRL_CHECKPOINT_PAUSE_S="3")
+    proc = subprocess.Popen(_seed_cmd(tiny_model, ckpt, 2, None, "max_new_tokens=8"), env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        staging = ckpt / ".staging-checkpoint-2"
+        while not (staging / "driver_state.pt").exists() and time.time() < deadline:
+            assert proc.poll() is None, "run ended before checkpoint-2 was staged"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert staging.exists() and not (ckpt / "checkpoint-2").exists()
+    assert [p.name for p in ckpt.glob("checkpoint-*")] == ["checkpoint-1"]
+    verify_checksums(ckpt / "checkpoint-1")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ckpt / "checkpoint-1" / "agent_0")
+    # The next run cleans the staging folder and finishes the run.
+    _run(_seed_cmd(tiny_model, ckpt, 2, ckpt / "checkpoint-1", "max_new_tokens=8"),
+         _env(tmp_path / "wandb"))
+    assert not staging.exists()
+    assert sorted(p.name for p in ckpt.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+
+# ------------------------------------------------------------------ refused resumes
+
+
+def _trainer(tiny_model, **changes):
+    import math as _m
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+    def length_ratio_reward(completions1, completions2):
+        rewards = []
+        for first, second in zip(completions1, completions2):
+            ratio = len(second) / max(len(first), 1)
+            distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
+            rewards.append(_m.exp(-distance))
+        return rewards
+
+    settings = dict(num_turns=1, num_train_epochs=4, num_generations=4, max_new_tokens=64,
+                    logging_steps=1)
+    settings.update(changes.pop("config", {}))
+    model = changes.pop("model", tiny_model)
+    kwargs = dict(
+        agents=[AutoModelForCausalLM.from_pretrained(model) for _ in range(2)],
+        tokenizer=AutoTokenizer.from_pretrained(model), reward_func=length_ratio_reward,
+        train_dataset=Dataset.from_dict({"prompt": [
+            "Describe a city in the clouds:", "Invent a new holiday and explain it:",
+            "Write a bedtime story for a dragon:", "Design a playground on Mars:"]}),
+        args=MAGRPOConfig(**settings))
+    kwargs.update(changes)
+    return MAGRPOTrainer(**kwargs)
+
+
+def _other_model(tmp_path_factory):
+    from comlrl.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("other") / "m", seed=1))
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"config": {"num_generations": 8}}, "config.num_generations: checkpoint has 4, this run has 8"),
+    ({"config": {"agent_learning_rate": 1e-4}}, "config.agent_learning_rate: checkpoint has 5e-06"),
+    ({"config": {"seed": 7}}, "config.seed: checkpoint has 42, this run has 7"),
+    ({"config": {"max_new_tokens": 32}}, "config.max_new_tokens: checkpoint has 64"),
+    ({"reward_func": lambda c1, c2: [0.0] * len(c1)}, "reward_func: checkpoint has"),
+    ("dataset", "dataset: checkpoint has '4 rows:"),
+    ("model", "models: checkpoint has"),
+    ("tokenizer", "tokenizers: checkpoint has"),
+])
+def test_resume_refuses_a_changed_setting(straight, tiny_model, tmp_path_factory, change, needle):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    if change == "dataset":
+        change = {"train_dataset": Dataset.from_dict({"prompt": ["a", "b", "c", "d"]})}
+    elif change == "model":
+        change = {"model": _other_model(tmp_path_factory),
+                  "tokenizer": AutoTokenizer.from_pretrained(tiny_model)}
+    elif change == "tokenizer":
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        tok.add_tokens(["<extra>"])
+        change = {"tokenizer": tok}
+    trainer = _trainer(tiny_model, **change)
+    d = tmp_path_factory.mktemp("refuse")
+    with pytest.raises(ValueError, match="cannot resume") as info:
+        trainer.train(resume_from_checkpoint=str(straight / "ckpt" / "checkpoint-2"),
+                      checkpoint_dir=str(d / "ckpt"))
+    assert needle in str(info.value)
+    assert "Only num_train_epochs" in str(info.value)
+
+
+def test_foreign_checkpoint_dir_is_refused(straight, tiny_model):
+    trainer = _trainer(tiny_model)
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        trainer.train(checkpoint_dir=str(straight / "ckpt"))
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_refused(tiny_model, tmp_path):
+    (tmp_path / "not-ours").mkdir()
+    (tmp_path / "not-ours" / "metadata.json").write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="is not a comlrl-split checkpoint"):
+        _trainer(tiny_model).train(resume_from_checkpoint=str(tmp_path / "not-ours"))
+    with pytest.raises(ValueError, match="has no metadata.json"):
+        _trainer(tiny_model).train(resume_from_checkpoint=str(tmp_path))
+
+
+def test_changed_file_is_caught_by_its_checksum(straight, tmp_path):
+    import shutil
+
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(straight / "ckpt" / "checkpoint-2", copy)
+    with open(copy / "agent_1" / "model.safetensors", "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\x00" * 8)
+    with pytest.raises(ValueError, match="agent_1/model.safetensors changed since it was written"):
+        verify_checksums(copy)
+
+
+def test_checkpoint_agent_folder_loads_with_from_pretrained(straight, tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.learner import Learner
+
+    ckpt = straight / "ckpt" / "checkpoint-4"
+    model = AutoModelForCausalLM.from_pretrained(ckpt / "agent_0")
+    tok = AutoTokenizer.from_pretrained(ckpt / "agent_0")
+    assert tok.eos_token == "<|endoftext|>"
+    # The learner restored from the same folder computes the same logits.
+    learner = Learner(0, tiny_model, learning_rate=1e-3, train_batch_size=2)
+    learner.load(str(ckpt / "agent_0"))
+    ids = [[5, 6, 7, 8, 9, 10]]
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor(ids)).logits, learner.logits(ids))
+    meta = read_checkpoint_metadata(ckpt)
+    assert meta["policy_versions"] == [8, 8] and learner.version == 8
