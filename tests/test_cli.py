@@ -99,6 +99,8 @@ def test_unknown_key_is_named(tmp_path, override, named):
 
 def test_invalid_values_are_named(tmp_path):
     cfg = write_config(tmp_path, MINIMAL)
+    with pytest.raises(cli.ConfigError, match="magrpo: "):
+        cli.load_job_config(cfg, ["magrpo.num_train_epochs=many"])
     with pytest.raises(cli.ConfigError, match="magrpo: num_generations must be >= 2"):
         cli.load_job_config(cfg, ["magrpo.num_generations=1"])
     with pytest.raises(cli.ConfigError, match="checkpoint_interval must be an integer >= 1"):

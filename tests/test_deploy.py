@@ -116,9 +116,10 @@ def test_runtime_env_excludes_outputs_and_sets_engine_env():
         assert path in env["excludes"]
     assert env["env_vars"] == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                                "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                               "TOKENIZERS_PARALLELISM": "false"}
+                               "TOKENIZERS_PARALLELISM": "false",
+                               "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
     # W&B mode and loopback-only Ray settings are the user's or the test's, never forced here.
-    assert not {k for k in env["env_vars"] if k.startswith(("WANDB", "RAY_"))}
+    assert not {k for k in env["env_vars"] if k.startswith("WANDB")}
 
 
 def test_ray_cluster_yaml_passes_rays_schema():
@@ -233,10 +234,10 @@ def _ray(env: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProc
                           text=True, timeout=timeout, cwd=ROOT)
 
 
-def _job_status(env: dict, address: str, job_id: str) -> str:
-    out = _ray(env, "job", "status", "--address", address, job_id).stdout
-    m = re.search(r"Status for job '[^']+': (\w+)", out)
-    return m.group(1) if m else "UNKNOWN"
+def _job_status(address: str, job_id: str) -> str:
+    from ray.job_submission import JobSubmissionClient  # HTTP only: no Ray in this process
+
+    return str(JobSubmissionClient(address).get_job_status(job_id).value)
 
 
 @pytest.mark.e2e
@@ -249,8 +250,9 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
     # The job's driver inherits the raylet's environment: loopback Ray, no auth, no usage
     # stats, offline W&B under tmp, and the venv first on PATH so `python` is the venv's.
     env = {**os.environ, **TEST_ENV, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
-           "WANDB_MODE": "offline", "WANDB_DIR": str(out), "RAY_ADDRESS": address}
+           "WANDB_MODE": "offline", "WANDB_DIR": str(out)}
     env.pop("WANDB_API_KEY", None)
+    env.pop("RAY_ADDRESS", None)
     submit = [str(DEPLOY / "submit.sh"), "examples/seed_config.yaml", f"output_dir={out}"]
     ckpts = out / "checkpoints"
     try:
@@ -266,9 +268,9 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
         assert started.returncode == 0, started.stdout + started.stderr
 
         # 1) Submit; stop the job as soon as its first checkpoint is written.
-        first = subprocess.run(submit, env={**env, "RAY_JOB_ARGS": "--no-wait --submission-id "
-                                            "seed-a"}, capture_output=True, text=True,
-                               timeout=120, cwd=ROOT)
+        first = subprocess.run(submit, env={**env, "RAY_ADDRESS": address, "RAY_JOB_ARGS":
+                                            "--no-wait --submission-id seed-a"},
+                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert first.returncode == 0, first.stdout + first.stderr
         deadline = last_check = time.monotonic()
         deadline += 240
@@ -280,12 +282,12 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
                     "session_*/runtime_resources/working_dir_files/*/examples/seed_config.yaml"))
             if time.monotonic() - last_check > 3:  # a job that failed: fail now, with its log
                 last_check = time.monotonic()
-                assert _job_status(env, address, "seed-a") in ("PENDING", "RUNNING"), _ray(
+                assert _job_status(address, "seed-a") in ("PENDING", "RUNNING"), _ray(
                     env, "job", "logs", "--address", address, "seed-a").stdout[-5000:]
             time.sleep(0.1)
         stopped = _ray(env, "job", "stop", "--address", address, "seed-a", timeout=120)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert _job_status(env, address, "seed-a") == "STOPPED"
+        assert _job_status(address, "seed-a") == "STOPPED"
         assert not (ckpts / "checkpoint-4").exists(), "the job finished before it was stopped"
         assert uploaded, "the job's working dir was never found"
         package = uploaded[0].parents[1]
@@ -296,10 +298,11 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
 
         # 2) Resubmit the same command with --resume latest: it completes the run.
         second = subprocess.run(submit + ["--resume", "latest"],
-                                env={**env, "RAY_JOB_ARGS": "--submission-id seed-b"},
+                                env={**env, "RAY_ADDRESS": address,
+                                     "RAY_JOB_ARGS": "--submission-id seed-b"},
                                 capture_output=True, text=True, timeout=300, cwd=ROOT)
         logs_b = _ray(env, "job", "logs", "--address", address, "seed-b").stdout
-        assert _job_status(env, address, "seed-b") == "SUCCEEDED", logs_b[-5000:]
+        assert _job_status(address, "seed-b") == "SUCCEEDED", logs_b[-5000:]
         assert "MAGRPO" in logs_b and "env_step=64" in logs_b, logs_b[-3000:]
         assert re.search(r"resume=\S+/checkpoints/checkpoint-[123]\b", logs_b), logs_b[-3000:]
         assert second.returncode == 0
@@ -315,4 +318,6 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
     steps = [r["_step"] for r in history if "turn_1/reward_mean" in r]
     assert len(steps) == len(set(steps)), f"duplicate env_steps in W&B: {sorted(steps)}"
     # Aligned single turn: +4 env_steps per prompt, an update (and a log) every 2 prompts.
+    # A point logged just before the stop may be missing (`ray job stop` signals the whole
+    # process group, W&B's service too, before it flushes); a duplicate never is.
     assert max(steps) == 64 and set(steps) <= set(range(8, 65, 8)), sorted(steps)
