@@ -61,14 +61,19 @@ class WandbRun:
             self._previous_sigterm = None
 
     def _on_sigterm(self, signum, frame):
-        self.finish()
+        try:
+            self.finish()
+        except Exception:  # `ray job stop` signals W&B's service too; it may be gone already
+            pass
         raise SystemExit(128 + signum)
 
     def log(self, metrics: dict, step: int) -> bool:
         """Send `metrics` at `step` unless a point at or after it was already sent."""
         if self.run is None or step <= self.last_step:
             return False
-        self.run.log(metrics, step=int(step))
+        # commit=True writes the row now; by default W&B holds a step's row until a later
+        # step arrives, so a kill would lose the newest point. Each step is logged once.
+        self.run.log(metrics, step=int(step), commit=True)
         self.last_step = int(step)
         if self.journal_dir is not None:
             write_journal(self.journal_dir, self.run.id, self.last_step)
@@ -84,3 +89,34 @@ class WandbRun:
             except ValueError:
                 pass
             self._previous_sigterm = None
+
+
+def last_step_on_disk(run_id: str, wandb_config: dict | None) -> int | None:
+    """Highest history step of W&B run `run_id` in its local run files, or None if none found.
+
+    This is the ground truth for "already logged": a kill can land after `run.log` returned but
+    before W&B flushed the row, and offline W&B cannot be asked. Reads every run folder of the
+    id (one per resumed process) under the run's W&B dir with `wandb leet inspect --json`.
+    """
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    base = (wandb_config or {}).get("dir") or os.environ.get("WANDB_DIR") or os.getcwd()
+    files = sorted(Path(base).glob(f"wandb/*run-*-{run_id}/*.wandb"))
+    exe = Path(sys.executable).parent / "wandb"
+    exe = str(exe) if exe.exists() else shutil.which("wandb")
+    if not files or exe is None:
+        return None
+    best = -1
+    for f in files:
+        out = subprocess.run([exe, "leet", "inspect", "--json", str(f)], capture_output=True,
+                             text=True, timeout=120)
+        for line in out.stdout.splitlines():
+            if '"history"' not in line:
+                continue
+            rec = json.loads(line)
+            if rec.get("type") == "history":
+                best = max(best, int(rec["history"]["item"].get("_step", -1)))
+    return best

@@ -116,8 +116,7 @@ def test_runtime_env_excludes_outputs_and_sets_engine_env():
         assert path in env["excludes"]
     assert env["env_vars"] == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                                "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                               "TOKENIZERS_PARALLELISM": "false",
-                               "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+                               "TOKENIZERS_PARALLELISM": "false"}
     # W&B mode and loopback-only Ray settings are the user's or the test's, never forced here.
     assert not {k for k in env["env_vars"] if k.startswith("WANDB")}
 

@@ -34,11 +34,14 @@ def ensure_ray(address: str | None) -> bool:
         return False
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    env = {"env_vars": {k: v for k, v in {**LOCAL_RAY_ENV, **ENGINE_ENV}.items()}}
+    env = {"env_vars": {**LOCAL_RAY_ENV, **ENGINE_ENV}}
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if address or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        # Joining a cluster (or running as a `ray job submit` driver): pass no runtime env.
+        # The job's own runtime env stays in force (Ray refuses to merge a conflicting one),
+        # and every actor gets the engine variables through its own options anyway.
         try:
-            ray.init(address=address, runtime_env=env, log_to_driver=True)
+            ray.init(address=address or "auto", log_to_driver=True)
         except Exception as exc:  # ConnectionError, TimeoutError, ValueError by version
             raise ConnectionError(
                 f"could not join the Ray cluster at ray_address={address!r} ({exc}). Start it "

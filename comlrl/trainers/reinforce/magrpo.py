@@ -420,13 +420,27 @@ class _Session:
             self.push_weights()
         last_logged = -1
         if meta is not None:
-            ident = (t.wandb_config or {}).get("id") or meta.get("wandb", {}).get("id")
-            last_logged = max(int(meta.get("last_logged_step", -1)),
-                              read_journal(self.checkpoint_dir, ident) if self.checkpoint_dir else -1)
+            last_logged = self._last_logged_step(meta)
         run_config = {"algorithm": t.algorithm_name, "num_agents": t.num_agents,
                       **{k: v for k, v in args.to_dict().items() if k != "extra"}}
         self.wandb = WandbRun(t.wandb_config, run_config, self.checkpoint_dir, last_logged)
         self.wandb.start()
+
+    def _last_logged_step(self, meta: dict) -> int:
+        """Steps at or below this were sent to W&B before; the resumed run skips them.
+
+        The run's own files are the truth where this machine can read them; otherwise the
+        journal (rewritten after each log) or the checkpoint says how far the last process got.
+        """
+        from comlrl.wandb_run import last_step_on_disk
+
+        cfg = self.t.wandb_config or {}
+        run_id = cfg.get("id") or meta.get("wandb", {}).get("id")
+        on_disk = last_step_on_disk(run_id, cfg) if run_id and cfg else None
+        if on_disk is not None:
+            return on_disk
+        journal = read_journal(self.checkpoint_dir, run_id) if self.checkpoint_dir else -1
+        return max(int(meta.get("last_logged_step", -1)), journal)
 
     def __exit__(self, *exc: Any) -> None:
         from workers.launch import kill_actors
