@@ -132,7 +132,7 @@ def main() -> None:
     starts = [[s, *(results[s][e]["start_s"] for e in engines)] for s in sizes]
     print("\nengine start-up s:\n")
     print(bl.table(["model", *engines], starts))
-    path = bl.write_results("bench_rollout" + ("_short" if a.short else ""),
+    path = bl.write_results(bl.result_name("bench_rollout", a.short, sizes),
                             {"threads": a.threads, "repeats": repeats, "n": N,
                              "max_new_tokens": MAX_NEW_TOKENS, "results": results})
     print(f"\nwrote {path}")

@@ -337,7 +337,9 @@ def main() -> None:
                        [[s, f"{f['params']:,}", f["fwd_bwd_16x80_s"], f["fwd_bwd_gflops"],
                          f["epoch_floor_learning_s"], f["epoch_floor_generation_s"],
                          f["epoch_floor_s"]] for s, f in floor["models"].items()]))
-    path = bl.write_results("bench_seed" + ("_short" if a.short else ""), {
+    name = bl.result_name("bench_seed", a.short, sizes, "ckpt" if a.checkpoint else "",
+                          "-".join(sides) if sides != ["ours", "comlrl"] else "")
+    path = bl.write_results(name, {
         "settings": {"sizes": sizes, "repeats": repeats, "epochs": epochs_of, "sides": sides,
                      "checkpoint": a.checkpoint, "params": counts},
         "comlrl_venv": versions, "floor": floor, "summary": summary, "runs": runs,

@@ -153,6 +153,17 @@ def machine_info() -> dict:
     return info
 
 
+def result_name(base: str, short: bool, sizes: list[str], *tags: str) -> str:
+    """`base`, tagged when the run was not the full default one (so it keeps its own file)."""
+    parts = [base]
+    if short:
+        parts.append("short")
+    elif sizes != list(SIZES):
+        parts.append("-".join(sizes))
+    parts += [t for t in tags if t]
+    return "_".join(parts)
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
