@@ -1,0 +1,239 @@
+"""Where our time goes: the seed run on this project's trainer, timed phase by phase.
+
+Runs the seed config (as bench_seed.py does) in this process and wraps the driver's own
+functions with timers, without changing them: every `ray_get` by its label (generation,
+learning, weight push, checkpoint), the reward call, the rollout tree building, W&B logging,
+checkpoint saves, and the start-up pieces (Ray, actors and engines, W&B). The workers'
+replies give the time spent inside the engines (generate, vLLM reload), so what is left of
+each wait is Ray and transfer overhead. Steady epochs (2..N) are reported, medians.
+
+    python benchmarks/profile_epoch.py [--short] [--size 10M] [--epochs 4] [--no-checkpoint]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+bl.apply_env()
+
+STATE = {"epoch": -1}
+EPOCHS: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+EPOCH_START: dict[int, float] = {}
+STARTUP: dict[str, float] = defaultdict(float)
+MARKS: dict[str, float] = {}
+
+
+def add(key: str, seconds: float) -> None:
+    if STATE["epoch"] == -1:
+        STARTUP[key] += seconds
+    elif STATE["epoch"] >= 0:
+        EPOCHS[STATE["epoch"]][key] += seconds
+
+
+def install_timers() -> None:
+    import comlrl.magrpo as magrpo
+    import comlrl.trainers.reinforce.magrpo as trainer_mod
+    import workers.launch as launch
+    from comlrl.wandb_run import WandbRun
+
+    Session = trainer_mod._Session
+
+    def timed(owner, name, key, before=None):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            if before:
+                before(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                add(key, time.perf_counter() - t)
+
+        setattr(owner, name, wrapper)
+
+    real_ray_get = launch.ray_get
+
+    def ray_get(refs, what):
+        t = time.perf_counter()
+        out = real_ray_get(refs, what)
+        dt = time.perf_counter() - t
+        if what == "rollout workers generating":
+            add("generation wait", dt)
+            add("  inside engines (slowest worker)", max(r["seconds"] for r in out))
+        elif what == "learners updating":
+            add("learning wait", dt)
+        elif what == "pushing weights to rollout workers":
+            add("push: get_weights + update_weights wait", dt)
+            add("  vLLM reload inside workers (slowest)", max(out))
+        elif what.startswith("learner "):
+            add("push: get_version round trips", dt)
+        elif what == "starting rollout workers and learners":
+            add("actors + engines start (wait)", dt)
+        else:
+            add(f"ray_get: {what}", dt)
+        return out
+
+    launch.ray_get = ray_get
+
+    def on_rollout(trainer, session, epoch, *a, **k):
+        if STATE["epoch"] != epoch:
+            STATE["epoch"] = epoch
+            EPOCH_START.setdefault(epoch, time.perf_counter())
+
+    timed(trainer_mod, "run_episode_batch", "rollout (driver total)", before=on_rollout)
+    timed(magrpo, "call_reward", "reward_func")
+    timed(Session, "update_and_push", "update_and_push (driver total)")
+    timed(Session, "push_weights", "weight push (driver total)")
+    timed(Session, "log_step", "W&B log_step")
+    timed(Session, "save_checkpoint", "checkpoint: save (learners write, commit queued)")
+    timed(Session, "wait_checkpoint", "checkpoint: wait for commit")
+    timed(launch, "ensure_ray", "ray.init")
+    timed(launch, "pack_model_folder", "pack model folders")
+    timed(trainer_mod.MAGRPOTrainer, "fingerprints", "fingerprints")
+    timed(WandbRun, "start", "wandb.init")
+    timed(Session, "_start", "_start total")
+
+    original_exit = Session.__exit__
+
+    def exit_(self, *exc):
+        MARKS["loop_end"] = time.perf_counter()
+        STATE["epoch"] = -2
+        t = time.perf_counter()
+        try:
+            return original_exit(self, *exc)
+        finally:
+            MARKS["teardown_s"] = time.perf_counter() - t
+
+    Session.__exit__ = exit_
+
+
+def run(size: str, epochs: int, checkpoint: bool) -> dict:
+    install_timers()
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+    model_name = str(bl.model_path(size))
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    train_dataset = Dataset.from_dict({"prompt": [
+        "Describe a city in the clouds:", "Invent a new holiday and explain it:",
+        "Write a bedtime story for a dragon:", "Design a playground on Mars:"]})
+
+    def length_ratio_reward(completions1, completions2):
+        rewards = []
+        for first, second in zip(completions1, completions2):
+            ratio = len(second) / max(len(first), 1)
+            distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
+            rewards.append(math.exp(-distance))
+        return rewards
+
+    config = MAGRPOConfig(num_turns=1, num_train_epochs=epochs, num_generations=4,
+                          max_new_tokens=64, logging_steps=1)
+    trainer = MAGRPOTrainer(
+        agents=[AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)],
+        tokenizer=tokenizer, reward_func=length_ratio_reward, train_dataset=train_dataset,
+        args=config, wandb_config={"project": "comlrl-bench", "name": "profile"})
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
+        os.environ["WANDB_DIR"] = tmp
+        t0 = time.perf_counter()
+        if checkpoint:
+            trainer.train(checkpoint_dir=str(Path(tmp) / "ckpt"), checkpoint_interval=1,
+                          checkpoint_total_limit=1)
+        else:
+            trainer.train()
+        total = time.perf_counter() - t0
+    starts = [EPOCH_START[e] for e in sorted(EPOCH_START)] + [MARKS["loop_end"]]
+    walls = {e: b - a for e, a, b in zip(sorted(EPOCH_START), starts, starts[1:])}
+    return {"size": size, "epochs": epochs, "checkpoint": checkpoint, "train_s": total,
+            "startup_s": starts[0] - t0, "teardown_s": MARKS["teardown_s"],
+            "startup": dict(STARTUP), "epoch_wall_s": walls,
+            "per_epoch": {e: dict(v) for e, v in EPOCHS.items() if e >= 0}}
+
+
+def summarise(res: dict) -> tuple[list[list], list[list]]:
+    # Epoch 0 warms up; the last one also waits for the final checkpoint and pulls weights.
+    ep = sorted(res["per_epoch"])
+    steady = ep[1:-1] if len(ep) >= 3 else ep[-1:]
+    med = lambda key: bl.median([res["per_epoch"][e].get(key, 0.0) for e in steady])
+    wall = bl.median([res["epoch_wall_s"][e] for e in steady])
+    g, rw, ro = (med("generation wait"), med("reward_func"), med("rollout (driver total)"))
+    le, up = med("learning wait"), med("update_and_push (driver total)")
+    pu, ver = med("weight push (driver total)"), med("push: get_version round trips")
+    lg = med("W&B log_step")
+    ck = med("checkpoint: save (learners write, commit queued)") + \
+        med("checkpoint: wait for commit")
+    inside_gen = med("  inside engines (slowest worker)")
+    reload_ = med("  vLLM reload inside workers (slowest)")
+    rows = [
+        ["generation: inside the vLLM engines", inside_gen],
+        ["generation: Ray call + result transfer", g - inside_gen],
+        ["reward (length ratio, whole lists)", rw],
+        ["decode, tree, env_step (driver)", ro - g - rw],
+        ["learning (learner actors, wait)", le],
+        ["update: advantages, groups (driver)", up - le - pu],
+        ["weight push: vLLM reload inside workers", reload_],
+        ["weight push: export + object store + Ray", pu - reload_ - ver],
+        ["weight push: get_version round trips", ver],
+        ["W&B logging", lg],
+        ["checkpoint (save + commit wait)", ck],
+    ]
+    accounted = sum(r[1] for r in rows)
+    rows.append(["loop, tqdm, unaccounted", wall - accounted])
+    rows = [[name, secs, f"{100 * secs / wall:.0f}%"] for name, secs in rows]
+    rows.append(["epoch (steady, median)", wall, "100%"])
+    st = res["startup"]
+    start_rows = [
+        ["ray.init (local, loopback)", st.get("ray.init", 0.0)],
+        ["actors + engines start (wait)", st.get("actors + engines start (wait)", 0.0)],
+        ["wandb.init", st.get("wandb.init", 0.0)],
+        ["checkpointer start + clean (wait; the others start meanwhile)",
+         st.get("ray_get: checkpointer", 0.0)],
+        ["fingerprints (config, data, models)", st.get("fingerprints", 0.0)],
+        ["pack model folders for the object store", st.get("pack model folders", 0.0)],
+        ["models to disk, ray.put, actor launches, rest",
+         st.get("_start total", 0.0) - sum(st.get(k, 0.0) for k in (
+             "ray.init", "actors + engines start (wait)", "wandb.init", "ray_get: checkpointer",
+             "fingerprints", "pack model folders"))],
+        ["first rollout (engine warm-up included)", res["per_epoch"][0].get("generation wait")],
+        ["teardown (finish W&B, kill actors)", res["teardown_s"]],
+    ]
+    start_rows.append(["train() start to first rollout", res["startup_s"]])
+    return rows, start_rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--short", action="store_true", help="0.43M, 2 epochs")
+    p.add_argument("--size", default="10M", choices=list(bl.SIZES))
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="do not checkpoint (the seed example checkpoints every epoch)")
+    a = p.parse_args()
+    size, epochs = ("0.43M", 2) if a.short else (a.size, a.epochs)
+    res = run(size, epochs, not a.no_checkpoint)
+    rows, start_rows = summarise(res)
+    print(f"\n## Where the time goes in one steady epoch: {size}, seed config, "
+          f"{'checkpoint every epoch' if res['checkpoint'] else 'no checkpoints'}\n")
+    print(bl.table(["phase", "s per epoch", "share"], rows))
+    print("\n## Start-up and teardown\n")
+    print(bl.table(["phase", "s"], start_rows))
+    name = bl.result_name("profile_epoch", a.short, [size] if not a.short else ["0.43M"],
+                          "" if res["checkpoint"] else "nockpt")
+    path = bl.write_results(name, {"result": res, "table": rows, "startup_table": start_rows})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
