@@ -62,15 +62,16 @@ class Episode:
         return out
 
     def learner_groups(self, agent: int, args: Any) -> list[dict]:
-        """One advantage group per node for `agent`: its K completions and their advantages."""
+        """One group per node for `agent`: its K completions and their returns.
+
+        The learner turns returns into advantages (after the reference-KL penalty, which needs
+        the learner's models)."""
         groups = []
         for node in self.nodes:
             k = len(node.token_ids[agent])
             returns = magrpo.per_agent_returns(node.returns, node.combos, agent, k, args.cross)
-            adv = magrpo.compute_advantages(returns, args.advantage_mode,
-                                            args.advantage_normalization)
             groups.append({"prompt_ids": node.prompt_ids[agent],
-                           "completions": node.token_ids[agent], "advantages": adv,
+                           "completions": node.token_ids[agent], "returns": returns,
                            "turn": node.turn})
         return groups
 

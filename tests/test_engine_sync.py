@@ -45,8 +45,8 @@ def test_engine_logprobs_follow_learner_after_update(ray_session, tiny_model, en
         fixed = prompt + comps[0]
         engine_before = ray.get(worker.prompt_logprobs.remote(fixed))[len(prompt):]
 
-        groups = [{"prompt_ids": prompt, "completions": comps, "advantages": [1.0, -0.5, -0.5]},
-                  {"prompt_ids": prompt[:3], "completions": comps[:2], "advantages": [1.0, -1.0]}]
+        groups = [{"prompt_ids": prompt, "completions": comps, "returns": [1.0, -0.5, -0.5]},
+                  {"prompt_ids": prompt[:3], "completions": comps[:2], "returns": [1.0, -1.0]}]
         res = ray.get(learner.update.remote(groups, 123))
         assert res["version"] == 1 and res["trained_tokens"] > 0
         ray.get(worker.update_weights.remote(res["version"], learner.get_weights.remote()))

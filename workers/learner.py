@@ -19,7 +19,9 @@ RNG_FILE = "rng_state.pt"
 class Learner:
     def __init__(self, agent_index: int, model_source: str | dict, *, learning_rate: float,
                  train_batch_size: int, loss_aggregation: str = "sequence",
-                 device: str = "auto", threads: int | None = None):
+                 advantage_mode: str = "mean", advantage_normalization: bool = True,
+                 reference_kl_coef: float | None = None, device: str = "auto",
+                 threads: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -37,6 +39,14 @@ class Learner:
         self.loss_aggregation = loss_aggregation
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.to(device).train()
+        self.advantage_mode = advantage_mode
+        self.advantage_normalization = advantage_normalization
+        # Reference KL: a frozen copy of the initial weights (comlrl's reference model).
+        self.reference_kl_coef = reference_kl_coef
+        self.reference = None
+        if reference_kl_coef is not None:
+            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.reference.to(device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
                                            weight_decay=0.01)
         gen = self.model.generation_config
@@ -46,17 +56,25 @@ class Learner:
 
     # ------------------------------------------------------------ training
 
-    def update(self, groups: list[dict], shuffle_seed: int) -> dict[str, float]:
+    def update(self, groups: list[dict], shuffle_seed: int) -> dict[str, Any]:
         """One update from `groups` (one per prompt node): mini-batches of train_batch_size.
 
-        Each group is {"prompt_ids": [...], "completions": [[...] x K], "advantages": [K]}, its
-        completions already cut after EOS. The groups are shuffled with `shuffle_seed` (like
-        comlrl's shuffle, but reproducible) and each mini-batch is ONE padded forward.
+        Each group is {"prompt_ids": [...], "completions": [[...] x K], "returns": [K],
+        "turn": t}, its completions already cut after EOS. Returns become advantages here,
+        after the reference-KL penalty when enabled. Groups are shuffled with `shuffle_seed`
+        (like comlrl's shuffle, but reproducible) and each mini-batch is ONE padded forward.
         """
         import torch
 
-        from comlrl.magrpo import pad_batch, policy_loss, token_logprobs
+        from comlrl.magrpo import compute_advantages, pad_batch, policy_loss, token_logprobs
 
+        kls = self.reference_kls(groups) if self.reference is not None else None
+        for i, g in enumerate(groups):
+            returns = g["returns"]
+            if kls is not None:
+                returns = [r - self.reference_kl_coef * kl for r, kl in zip(returns, kls[i])]
+            g["advantages"] = compute_advantages(returns, self.advantage_mode,
+                                                 self.advantage_normalization)
         # Turn by turn (comlrl updates each turn's nodes separately), shuffled within a turn.
         rng = random.Random(shuffle_seed)
         by_turn: dict[int, list[int]] = {}
@@ -90,8 +108,42 @@ class Learner:
             losses.append(float(loss.detach()))
             tokens += int(target.sum().item())
         self.version += 1
-        return {"loss": sum(losses) / len(losses), "trained_tokens": tokens,
-                "version": self.version}
+        out: dict[str, Any] = {"loss": sum(losses) / len(losses), "trained_tokens": tokens,
+                               "version": self.version}
+        if kls is not None:
+            per_turn: dict[int, list[float]] = {}
+            for g, k in zip(groups, kls):
+                per_turn.setdefault(int(g.get("turn", 0)), []).extend(k)
+            out["reference_kl"] = {t: sum(v) / len(v) for t, v in per_turn.items()}
+        return out
+
+    def reference_kls(self, groups: list[dict]) -> list[list[float]]:
+        """Sequence KL to the reference of every completion, under the weights that sampled it.
+
+        Schulman's k3 estimator per token, exp(ref - pol) - (ref - pol) - 1, summed over the
+        completion (comlrl's definition); batched one group at a time, no gradients.
+        """
+        import torch
+
+        from comlrl.magrpo import pad_batch, token_logprobs
+
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(groups), self.train_batch_size):
+                chunk = groups[start:start + self.train_batch_size]
+                prompts = [g["prompt_ids"] for g in chunk for _ in g["completions"]]
+                comps = [c for g in chunk for c in g["completions"]]
+                ids, attn, target = (t.to(self.device)
+                                     for t in pad_batch(prompts, comps, self.pad_id))
+                pol = token_logprobs(self.model(input_ids=ids, attention_mask=attn).logits, ids)
+                ref = token_logprobs(self.reference(input_ids=ids, attention_mask=attn).logits,
+                                     ids)
+                diff = ref - pol
+                seq_kl = ((torch.exp(diff) - diff - 1.0) * target).sum(dim=1).tolist()
+                for g in chunk:
+                    out.append(seq_kl[:len(g["completions"])])
+                    seq_kl = seq_kl[len(g["completions"]):]
+        return out
 
     def sequence_logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
         """Per-token log-probs of each completion under the current weights (no grad)."""

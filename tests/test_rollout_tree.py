@@ -1,0 +1,117 @@
+"""Rollout-tree logic (pure): sizes, early termination, returns, env_step order, histories.
+
+A fake engine stands in for generation here only: these are unit tests of the tree logic;
+tests/test_multiturn.py runs the same code on real vLLM engines.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from comlrl.config import MAGRPOConfig
+from comlrl.rollout import StepTimer, run_episode_batch
+
+
+class FakeTokenizer:
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(ch) % 50 + 1 for ch in text] or [1]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i) for i in ids if i != 0)
+
+
+class FakeSession:
+    """Completion k of a request has k+1 tokens, so lengths (and rewards) are known."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, requests_per_agent, timer):
+        self.calls.append([len(r) for r in requests_per_agent])
+        return [[[{"token_ids": [a + 1] * (k + 1) + [0], "logprobs": []} for k in range(r["n"])]
+                 for r in reqs] for a, reqs in enumerate(requests_per_agent)]
+
+
+def make_trainer(reward, transition=None, **cfg):
+    args = MAGRPOConfig(num_generations=2, **cfg)
+    tok = FakeTokenizer()
+    return SimpleNamespace(
+        args=args, num_agents=2, tokenizers=[tok, tok], env_step=0,
+        formatters=[lambda row, external_prompts=None: external_prompts or row["prompt"]] * 2,
+        reward_func=reward, reward_style={"prompts": False, "batch_items": False},
+        reward_processor=None, external_transition=transition,
+        train_rows=[{"prompt": "p0"}, {"prompt": "p1"}])
+
+
+def sum_len_reward(c1, c2):
+    return [float(len(a) + len(b)) for a, b in zip(c1, c2)]
+
+
+@pytest.mark.parametrize("discount", [1.0, 0.5])
+def test_two_turn_tree_returns_env_steps_and_histories(discount):
+    calls = []
+
+    def transition(prompt, agent_completions, num_agents, prompt_history_per_agent,
+                   response_history_per_agent):
+        calls.append((prompt, list(agent_completions), prompt_history_per_agent,
+                      response_history_per_agent))
+        return [f"o:{agent_completions[1]}", f"o:{agent_completions[0]}"]
+
+    trainer = make_trainer(sum_len_reward, transition, num_turns=2, discount=discount,
+                           early_termination_threshold=None)
+    session = FakeSession()
+    eps = run_episode_batch(trainer, session, 0, [0, 1], StepTimer())
+    # One engine round per turn: 2 roots, then 2 x 2 children, for each agent.
+    assert session.calls == [[2, 2], [4, 4]]
+    # Agent a's completion k decodes to k+1 copies of chr(97 + a): 'a'/'aa', 'b'/'bb'.
+    root = eps[0].root
+    assert root.texts == [["a", "aa"], ["b", "bb"]]
+    assert root.rewards == [2.0, 4.0]
+    # Children see the other agent's answer: prompts 'o:b' / 'o:a' (joint action 0).
+    child0 = root.children[0]
+    assert child0.prompts == ["o:b", "o:a"]
+    assert child0.rewards == [2.0, 4.0]            # completions do not depend on prompts here
+    assert root.returns == [2.0 + discount * 3.0, 4.0 + discount * 3.0]
+    # env_step is numbered depth-first per prompt: root (2), child 0 (2), child 1 (2).
+    assert [n.env_step for n in eps[0].nodes] == [2, 4, 6]
+    assert [n.env_step for n in eps[1].nodes] == [8, 10, 12]
+    assert eps[1].env_step_before == 6 and trainer.env_step == 12
+    # Histories: this turn's prompts, and the joint action's completions (comlrl's).
+    prompt, chosen, ph, rh = calls[1]
+    assert (prompt, chosen) == ("p0", ["aa", "bb"])
+    assert ph == [["p0"], ["p0"]] and rh == [["aa"], ["bb"]]
+    assert child0.prompt_history == [["p0", "o:b"], ["p0", "o:a"]]
+
+
+def test_early_termination_stops_a_branch_whose_mean_reward_exceeds_the_threshold():
+    trainer = make_trainer(sum_len_reward, lambda **kw: ["x", "y"], num_turns=3,
+                           early_termination_threshold=2.5)
+    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepTimer())
+    # Root mean reward 3.0 > 2.5: not expanded; env_step counts the root only.
+    assert len(eps[0].nodes) == 1 and trainer.env_step == 2
+    trainer = make_trainer(sum_len_reward, lambda **kw: ["x", "y"], num_turns=3,
+                           early_termination_threshold=3.0)
+    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepTimer())
+    # 3.0 does not exceed 3.0: expanded to depth 3 -> 1 + 2 + 4 nodes, 14 joint rewards.
+    assert len(eps[0].nodes) == 7 and trainer.env_step == 14
+
+
+def test_cross_mode_calls_reward_once_with_k_to_the_n_joint_actions():
+    seen = []
+
+    def reward(c1, c2):
+        seen.append((list(c1), list(c2)))
+        return [float(len(a) * 10 + len(b)) for a, b in zip(c1, c2)]
+
+    trainer = make_trainer(reward, num_turns=1, joint_mode="cross")
+    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepTimer())
+    assert seen == [(["a", "a", "aa", "aa"], ["b", "bb", "b", "bb"])]
+    assert trainer.env_step == 4
+    groups = eps[0].learner_groups(0, trainer.args)
+    # agent 0 completion 0 is in joint actions (0,0),(0,1): 11 + 12; completion 1: 21 + 22
+    assert groups[0]["returns"] == [23.0, 43.0]
+    assert eps[0].learner_groups(1, trainer.args)[0]["returns"] == [11.0 + 21.0, 12.0 + 22.0]
