@@ -400,7 +400,12 @@ class _Session:
         self.learners = [] if self.for_eval else [
             start_actor(Learner, learner, a, sources[a], learning_rate=args.agent_learning_rate,
                         train_batch_size=args.train_batch_size,
-                        loss_aggregation=args.loss_aggregation, device=args.learner_device,
+                        loss_aggregation=args.loss_aggregation,
+                        advantage_mode=args.advantage_mode,
+                        advantage_normalization=args.advantage_normalization,
+                        reference_kl_coef=(args.reference_kl_coef
+                                           if args.reference_kl_enabled else None),
+                        device=args.learner_device,
                         threads=args.learner_threads or max(1, cores // t.num_agents))
             for a in range(t.num_agents)]
         self.actors = [w for ws in self.workers for w in ws] + self.learners
@@ -536,6 +541,11 @@ class _Session:
             if n:
                 metrics[f"turn_{turn + 1}/reward_mean"] = reward_mean
                 metrics[f"turn_{turn + 1}/expected_return"] = expected_return
+        kls = [res["reference_kl"] for res in timer.learner if "reference_kl" in res]
+        for turn in sorted({t for k in kls for t in k}):
+            mean = sum(k[turn] for k in kls if turn in k) / sum(1 for k in kls if turn in k)
+            metrics[f"turn_{turn + 1}/reference_kl_mean"] = mean
+            metrics[f"turn_{turn + 1}/reference_kl_penalty_mean"] = args.reference_kl_coef * mean
         for a, res in enumerate(timer.learner):
             lengths = [len(c) for ep in episodes for node in ep.nodes for c in node.token_ids[a]]
             metrics[f"agent_{a}/loss"] = res["loss"]
