@@ -176,6 +176,7 @@ def main() -> None:
     sizes = bl.parse_sizes(a.sizes, a.short)
     reps = 2 if a.short else a.repeats
     results, rows, failed = {}, [], []
+    monitor = bl.ForeignCPU().__enter__()
     for size in sizes:
         r = bench_size(size, reps)
         results[size] = r
@@ -187,6 +188,7 @@ def main() -> None:
                      r["batched_s"], r["loop_s"], f"{r['speedup']:.2f}x", r["adamw_step_s"]])
         if not r["agree"]:
             failed.append(size)
+    monitor.__exit__(None, None, None)
     print(f"\n## Learner step: one padded forward vs one forward per completion "
           f"({a.threads} thread{'s' if a.threads > 1 else ''})\n")
     print(bl.table(["model", "params", "seqs/tokens", "loss (f64)", "|dloss| f64",
@@ -197,7 +199,9 @@ def main() -> None:
           f"{'yes' if not failed else 'NO for ' + ', '.join(failed)}")
     path = bl.write_results(bl.result_name("bench_learner", a.short, sizes),
                             {"threads": a.threads, "repeats": reps, "loss_tol": LOSS_TOL,
-                             "grad_tol": GRAD_TOL, "results": results})
+                             "grad_tol": GRAD_TOL, "results": results,
+                             "foreign_cpu": monitor.report()})
+    print(monitor.line())
     print(f"wrote {path}")
     if failed:
         raise SystemExit(1)

@@ -98,6 +98,7 @@ def main() -> None:
     sizes = bl.parse_sizes(a.sizes, a.short)
     engines = [e.strip() for e in a.engines.split(",")]
     results, rows = {}, []
+    monitor = bl.ForeignCPU().__enter__()
     for size in sizes:
         bl.model_path(size)
         results[size] = {}
@@ -121,6 +122,7 @@ def main() -> None:
             if "vllm" in rates and "hf" in rates:
                 row.append(f"{rates['vllm'] / rates['hf']:.2f}x")
             rows.append(row)
+    monitor.__exit__(None, None, None)
     cols = ["model", "prompts/call"]
     for eng in engines:
         cols += [f"{eng} tok/s", f"{eng} s/call"]
@@ -134,8 +136,10 @@ def main() -> None:
     print(bl.table(["model", *engines], starts))
     path = bl.write_results(bl.result_name("bench_rollout", a.short, sizes),
                             {"threads": a.threads, "repeats": repeats, "n": N,
-                             "max_new_tokens": MAX_NEW_TOKENS, "results": results})
-    print(f"\nwrote {path}")
+                             "max_new_tokens": MAX_NEW_TOKENS, "results": results,
+                             "foreign_cpu": monitor.report()})
+    print("\n" + monitor.line())
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,7 @@ def main() -> None:
     sides = [s.strip() for s in a.sides.split(",") if s.strip()]
     epochs_of = {s: a.epochs or (2 if a.short else DEFAULT_EPOCHS[s]) for s in sizes}
 
+    load_start = os.getloadavg()
     versions = ensure_comlrl_venv() if "comlrl" in sides else None
     logs = bl.RESULTS_DIR / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -267,7 +268,10 @@ def main() -> None:
     for s in sizes:
         print(f"model {s}: {counts[s]:,} parameters, {epochs_of[s]} epochs, {models[s]}",
               flush=True)
-    floor = None if a.no_floor else measure_floor(sizes)
+    with bl.ForeignCPU() as floor_monitor:
+        floor = None if a.no_floor else measure_floor(sizes)
+    if floor:
+        floor["foreign_cpu"] = floor_monitor.report()
 
     runs: dict[str, dict[str, list[dict]]] = {s: {side: [] for side in sides} for s in sizes}
     for size in sizes:
@@ -276,12 +280,15 @@ def main() -> None:
             order = sides if r % 2 == 0 else list(reversed(sides))
             for side in order:
                 timeout = 900 + 300 * epochs_of[size]
-                res = run_side(side, models[size], epochs_of[size],
-                               logs / f"seed-{size}-{side}-{r}.log", a.checkpoint, timeout)
+                with bl.ForeignCPU() as monitor:
+                    res = run_side(side, models[size], epochs_of[size],
+                                   logs / f"seed-{size}-{side}-{r}.log", a.checkpoint, timeout)
+                res["foreign_cpu"] = monitor.report()
                 runs[size][side].append(res)
                 print(f"  {size} {side} run {r + 1}/{repeats}: steady epoch "
                       f"{bl.fmt(res['steady_epoch_s'])} s, start-up {bl.fmt(res['startup_s'])} s,"
-                      f" train() {bl.fmt(res['train_total_s'])} s", flush=True)
+                      f" train() {bl.fmt(res['train_total_s'])} s; other processes "
+                      f"{100 * res['foreign_cpu']['foreign_share']:.0f}%", flush=True)
 
     summary, rows = {}, []
     for size in sizes:
@@ -299,9 +306,11 @@ def main() -> None:
             summary[size][side] = agg
             med = lambda k: agg.get(k, {}).get("median")
             rng = lambda k: f"{bl.fmt(agg[k]['min'])}-{bl.fmt(agg[k]['max'])}" if k in agg else "-"
+            busy = max(x["foreign_cpu"]["foreign_share"] for x in rs)
+            agg["max_foreign_share"] = busy
             rows.append([size, f"{counts[size]:,}", side, med("startup_s"), med("first_step_s"),
                          med("steady_epoch_s"), rng("steady_epoch_s"), med("train_total_s"),
-                         f"{epochs_of[size]}x{len(rs)}"])
+                         f"{epochs_of[size]}x{len(rs)}", f"{100 * busy:.0f}%"])
         if "ours" in sides and "comlrl" in sides:
             o, c = summary[size]["ours"], summary[size]["comlrl"]
             ratio = {k: c[k]["median"] / o[k]["median"]
@@ -310,10 +319,10 @@ def main() -> None:
             summary[size]["ratio_comlrl_over_ours"] = ratio
             rows.append([size, "", "ratio comlrl/ours", ratio.get("startup_s"),
                          ratio.get("first_step_s"), ratio.get("steady_epoch_s"), "",
-                         ratio.get("train_total_s"), ""])
+                         ratio.get("train_total_s"), "", ""])
 
     cols = ["model", "params", "side", "start-up s", "to 1st step s", "epoch s (steady)",
-            "epoch spread", "train() s", "epochs x runs"]
+            "epoch spread", "train() s", "epochs x runs", "other procs (max)"]
     print("\n## Seed example: this project vs comlrl 1.4.3\n")
     print(bl.table(cols, rows))
     prof_rows = []
@@ -343,7 +352,7 @@ def main() -> None:
         "settings": {"sizes": sizes, "repeats": repeats, "epochs": epochs_of, "sides": sides,
                      "checkpoint": a.checkpoint, "params": counts},
         "comlrl_venv": versions, "floor": floor, "summary": summary, "runs": runs,
-        "loadavg_at_end": os.getloadavg()})
+        "loadavg_at_start": load_start})
     print(f"\nwrote {path}")
 
 

@@ -128,6 +128,7 @@ def main() -> None:
 
     import ray
 
+    monitor = bl.ForeignCPU().__enter__()
     t = time.perf_counter()
     ensure_ray(None)                       # the trainer's own local Ray (loopback, no auth)
     ray_s = time.perf_counter() - t
@@ -143,6 +144,7 @@ def main() -> None:
                          r["push_gbs"], r["clone_gbs"]])
     finally:
         ray.shutdown()
+        monitor.__exit__(None, None, None)
     print(f"\n## Weight push: learner -> object store -> rollout worker -> vLLM reload "
           f"({a.agents} agent{'s' if a.agents > 1 else ''} at once)\n")
     print(bl.table(["model", "params", "MB per agent", "push s", "spread", "export s",
@@ -154,7 +156,9 @@ def main() -> None:
           + ", ".join(f"{results[s]['ray_call_rtt_s'] * 1e3:.2f} ms" for s in sizes))
     path = bl.write_results(bl.result_name("bench_weight_push", a.short, sizes),
                             {"repeats": repeats, "threads": a.threads, "agents": a.agents,
-                             "ray_init_s": ray_s, "results": results})
+                             "ray_init_s": ray_s, "results": results,
+                             "foreign_cpu": monitor.report()})
+    print(monitor.line())
     print(f"wrote {path}")
 
 

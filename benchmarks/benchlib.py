@@ -141,7 +141,7 @@ def machine_info() -> dict:
     except OSError:
         load = None
     info = {"cpu_model": model, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "loadavg_at_start": load,
+            "platform": platform.platform(), "loadavg_at_write": load,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     try:
         import torch
@@ -167,9 +167,92 @@ def result_name(base: str, short: bool, sizes: list[str], *tags: str) -> str:
 def write_results(name: str, payload: dict) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
-    payload = {"benchmark": name, "machine": machine_info(), "argv": sys.argv[1:], **payload}
+    payload = {"benchmark": name, "machine": machine_info(), "argv": sys.argv[1:],
+               "loadavg_at_end": os.getloadavg(), **payload}
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+class ForeignCPU:
+    """How busy other processes kept the machine while a benchmark ran.
+
+    A thread samples /proc every `interval` s and adds up the CPU time of processes that are
+    not this process or its descendants (Ray workers and subprocesses we started are ours).
+    `share` = their CPU seconds / (wall seconds x cores): 0 on a quiet machine.
+    """
+
+    def __init__(self, interval: float = 1.0):
+        import threading
+
+        self.interval = interval
+        self.foreign = self.own = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _read() -> dict:
+        procs = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # fields after the command: state ppid ... utime(12) stime(13) ... starttime(20)
+            procs[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]), rest[19])
+        return procs
+
+    def _mine(self, procs: dict) -> set:
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in procs.items():
+            children.setdefault(ppid, []).append(pid)
+        mine, todo = set(), [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            mine.add(pid)
+            todo += children.get(pid, [])
+        return mine
+
+    def _run(self) -> None:
+        prev = self._read()
+        while True:
+            stopped = self._stop.wait(self.interval)
+            cur = self._read()
+            mine = self._mine(cur)
+            for pid, (_, ticks, started) in cur.items():
+                old = prev.get(pid)
+                delta = ticks - old[1] if old and old[2] == started else 0
+                if pid in mine:
+                    self.own += delta / self._tick
+                else:
+                    self.foreign += delta / self._tick
+            prev = cur
+            if stopped:
+                return
+
+    def __enter__(self):
+        self.start = time.time()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.wall = time.time() - self.start
+
+    def report(self) -> dict:
+        share = self.foreign / max(self.wall * (os.cpu_count() or 1), 1e-9)
+        return {"foreign_cpu_s": self.foreign, "own_cpu_s": self.own, "wall_s": self.wall,
+                "foreign_share": share, "quiet": share < 0.05}
+
+    def line(self) -> str:
+        r = self.report()
+        return (f"other processes used {100 * r['foreign_share']:.0f}% of the machine's "
+                f"{os.cpu_count()} cores during this run ({r['foreign_cpu_s']:.0f} CPU-s in "
+                f"{r['wall_s']:.0f} s): {'quiet' if r['quiet'] else 'NOT quiet, timings noisy'}")
 
 
 class Stopwatch:

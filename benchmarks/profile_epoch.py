@@ -222,7 +222,9 @@ def main() -> None:
                    help="do not checkpoint (the seed example checkpoints every epoch)")
     a = p.parse_args()
     size, epochs = ("0.43M", 2) if a.short else (a.size, a.epochs)
-    res = run(size, epochs, not a.no_checkpoint)
+    with bl.ForeignCPU() as monitor:
+        res = run(size, epochs, not a.no_checkpoint)
+    res["foreign_cpu"] = monitor.report()
     rows, start_rows = summarise(res)
     print(f"\n## Where the time goes in one steady epoch: {size}, seed config, "
           f"{'checkpoint every epoch' if res['checkpoint'] else 'no checkpoints'}\n")
@@ -232,7 +234,8 @@ def main() -> None:
     name = bl.result_name("profile_epoch", a.short, [size] if not a.short else ["0.43M"],
                           "" if res["checkpoint"] else "nockpt")
     path = bl.write_results(name, {"result": res, "table": rows, "startup_table": start_rows})
-    print(f"\nwrote {path}")
+    print("\n" + monitor.line())
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
