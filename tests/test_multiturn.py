@@ -45,20 +45,34 @@ def trainer_for(tiny_model, prompts, reward, *, wandb=True, **cfg):
                     temperature=1.0, top_p=1.0, top_k=None)
     extra = {k: cfg.pop(k) for k in list(cfg) if k in ("external_transition", "eval_dataset",
                                                         "agent_model", "num_agents")}
+    models = cfg.pop("models", [tiny_model, tiny_model])
     settings.update(cfg)
     if "agent_model" not in extra:
-        extra["agents"] = [AutoModelForCausalLM.from_pretrained(tiny_model) for _ in range(2)]
-    return MAGRPOTrainer(tokenizer=AutoTokenizer.from_pretrained(tiny_model), reward_func=reward,
+        extra["agents"] = [AutoModelForCausalLM.from_pretrained(m) for m in models]
+    tokenizers = [AutoTokenizer.from_pretrained(m) for m in models]
+    return MAGRPOTrainer(tokenizer=tokenizers, reward_func=reward,
                          train_dataset=Dataset.from_dict({"prompt": prompts}),
                          args=MAGRPOConfig(**settings),
                          wandb_config={"project": "comlrl-tests"} if wandb else None, **extra)
 
 
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> str:
+    """A second architecture (1 layer, hidden 64, its own tokenizer files)."""
+    from comlrl.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("small") / "m", seed=3, hidden_size=64,
+                                num_layers=1, num_heads=2, num_kv_heads=1))
+
+
 @pytest.mark.parametrize("discount", [1.0, 0.5])
-def test_two_turn_tree_matches_values_worked_out_by_hand(ray_session, tiny_model, wandb_dir,
-                                                         discount):
+def test_two_turn_tree_matches_values_worked_out_by_hand(ray_session, tiny_model, small_model,
+                                                         wandb_dir, discount):
     rec = Recorder()
+    # discount 0.5 also runs agents of different architectures, a tokenizer each.
+    models = [tiny_model, small_model] if discount == 0.5 else [tiny_model, tiny_model]
     trainer = trainer_for(tiny_model, TWO_PROMPTS, rec.reward, num_turns=2, discount=discount,
+                          models=models,
                           early_termination_threshold=None, external_transition=rec.transition)
     trainer.train()
     # Per prompt: a root (K=2 joint rewards) and one child per joint action (2 x 2).
