@@ -100,3 +100,22 @@ def test_other_misuse_keeps_comlrls_error_words(parts):
         build(parts, reward_func=lambda c1, c2, c3: [0.0])
     with pytest.raises(ValueError, match="Number of formatters must match num_agents"):
         build(parts, formatters=[lambda r: r["prompt"]])
+
+
+def test_unreachable_ray_address_fails_fast_with_the_fix():
+    """In its own process: this pytest process may already be connected to a Ray."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = ("from workers.launch import ensure_ray\n"
+            "try:\n    ensure_ray('127.0.0.1:1')\n"
+            "except ConnectionError as e:\n    print('ERR', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert time.time() - start < 30
+    assert "ERR could not reach the Ray cluster at ray_address='127.0.0.1:1'" in out.stdout
+    assert "ray start --head" in out.stdout
