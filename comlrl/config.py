@@ -21,7 +21,8 @@ RESUMABLE_FIELDS = frozenset({
     "rollout_num_gpus", "learner_num_cpus", "learner_num_gpus", "rollout_threads",
     "learner_threads", "ray_address", "gpu_memory_utilization", "kv_cache_memory_bytes",
     "tensor_parallel_size", "learner_device", "single_gpu", "enable_sleep_mode", "verbose",
-    "eval_interval", "eval_num_samples", "eval_batch_size",
+    "eval_interval", "eval_num_samples", "eval_batch_size", "rollout_resources",
+    "learner_resources", "weight_transport", "placement_timeout_s",
 })
 
 
@@ -114,6 +115,18 @@ class MAGRPOConfig:
     """Learner device: 'auto' (cuda when the actor has a GPU), 'cpu' or 'cuda'."""
     ray_address: Optional[str] = None
     """Ray cluster to join (None: RAY_ADDRESS if set, else start a local Ray)."""
+    rollout_resources: dict = field(default_factory=dict)
+    """Ray custom resources per rollout worker, to pin workers to nodes that offer them
+    (e.g. {"rollout_node": 1} with `ray start --resources='{"rollout_node": 4}'`)."""
+    learner_resources: dict = field(default_factory=dict)
+    """Ray custom resources per learner actor (pins learners like `rollout_resources`)."""
+    placement_timeout_s: float = 300.0
+    """Seconds to wait for Ray to reserve every actor's resources before failing."""
+    weight_transport: str = "auto"
+    """Learner-to-engine weight push: 'object_store' (Ray object store; works everywhere),
+    'nccl' (bucketed broadcast from the learner to its engines; gloo when tensors are on CPU),
+    'cuda_ipc' (engines on the learner's GPU read its buffers), or 'auto' (cuda_ipc with
+    single_gpu, nccl when learners and engines have GPUs, else object_store)."""
     single_gpu: bool = False
     """Preset: learner and engines share one GPU (fractional GPUs, sleep mode between rollouts)."""
     enable_sleep_mode: bool = False
@@ -193,8 +206,29 @@ class MAGRPOConfig:
             raise ValueError(
                 f"learner_device must be 'auto', 'cpu' or 'cuda' (got {self.learner_device!r})."
             )
+        for name in ("rollout_resources", "learner_resources"):
+            res = getattr(self, name)
+            if not isinstance(res, dict) or any(
+                    not isinstance(k, str) or isinstance(v, bool) or
+                    not isinstance(v, (int, float)) or v < 0 for k, v in res.items()):
+                raise ValueError(f"{name} must be a dict of Ray resource name -> amount >= 0 "
+                                 f"(got {res!r}).")
+            if {"CPU", "GPU"} & set(res):
+                raise ValueError(f"{name}: set CPUs and GPUs with {name[:-10]}_num_cpus / "
+                                 f"{name[:-10]}_num_gpus, not as custom resources.")
+        if not self.placement_timeout_s > 0:
+            raise ValueError(
+                f"placement_timeout_s must be > 0 (got {self.placement_timeout_s!r}).")
+        if self.weight_transport not in ("auto", "object_store", "nccl", "cuda_ipc"):
+            raise ValueError(
+                f"weight_transport must be 'auto', 'object_store', 'nccl' or 'cuda_ipc' "
+                f"(got {self.weight_transport!r}).")
         if self.single_gpu:
-            # One GPU shared by every actor: fractions that always fit on one device.
+            # One GPU shared by every actor: workers.launch.plan_placement gives each actor a
+            # fraction of it and each engine a part of gpu_memory_utilization.
+            if self.tensor_parallel_size != 1:
+                raise ValueError(f"single_gpu needs tensor_parallel_size=1 "
+                                 f"(got {self.tensor_parallel_size!r}).")
             self.enable_sleep_mode = True
 
     @property

@@ -2,7 +2,8 @@
 
 A plain class; `workers.launch` wraps it in `ray.remote`. Several workers may serve one agent:
 the driver splits a step's prompts across them, and per-request seeds make the samples the
-same whichever worker draws them.
+same whichever worker draws them. Weights arrive through `update_weights` (object store) or
+the receive methods of `workers.transport.WorkerEndpoint` (broadcast, CUDA IPC).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from workers.transport import WorkerEndpoint
 
-class RolloutWorker:
+
+class RolloutWorker(WorkerEndpoint):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any]):
         from comlrl.engines import SamplingSettings, make_engine
@@ -44,8 +47,14 @@ class RolloutWorker:
         return self.engine.prompt_logprobs(token_ids)
 
     def sleep(self) -> None:
+        """Release the engine's GPU memory (vLLM sleep mode) while the learner trains."""
         if hasattr(self.engine, "sleep"):
             self.engine.sleep()
+
+    def wake(self) -> None:
+        """Take the GPU memory back (generate and update_weights also wake the engine)."""
+        if hasattr(self.engine, "wake"):
+            self.engine.wake()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

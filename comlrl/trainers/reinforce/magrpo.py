@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import tempfile
 import time
@@ -327,6 +328,7 @@ class _Session:
         self.wandb = None
         self.pending_checkpoint = None
         self.run_uid = None
+        self.pending_metrics: dict = {}
 
     # ---- start / stop
 
@@ -344,8 +346,10 @@ class _Session:
         from comlrl.wandb_run import WandbRun
         from workers.checkpointer import Checkpointer
         from workers.launch import (
-            Placement, check_resources, ensure_ray, pack_model_folder, ray_get, start_actor,
+            Placement, check_resources, ensure_ray, pack_model_folder, place, plan_placement,
+            ray_get, start_actor,
         )
+        from workers.transport import with_learner_endpoint
         from workers.learner import Learner
         from workers.rollout import RolloutWorker
 
@@ -377,28 +381,38 @@ class _Session:
         self.started_ray = ensure_ray(args.ray_address)
         cores = max(1, int(ray.cluster_resources().get("CPU", 1)))
         n_workers = t.num_agents * args.rollout_workers_per_agent
-        rollout = Placement(args.rollout_num_cpus, args.rollout_num_gpus)
-        learner = Placement(args.learner_num_cpus, args.learner_num_gpus)
-        check_resources([("rollout", rollout)] * n_workers + [("learner", learner)] * t.num_agents)
+        # One placement-group bundle per actor (workers.launch.plan_placement says why PACK,
+        # or STRICT_PACK for single_gpu); impossible requests fail here, naming the setting.
+        plan = plan_placement(args, t.num_agents)
+        needs = [("rollout", plan["rollout"])] * n_workers
+        if not self.for_eval:
+            needs += [("learner", plan["learner"])] * t.num_agents
+        check_resources(needs, plan["strategy"])
+        placed, self.placement_group = place(needs, plan["strategy"], args.placement_timeout_s)
         sources = [ray.put(pack_model_folder(f)) for f in folders]
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k)
         engine_kwargs = dict(
             dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
             max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_utilization=plan["gpu_memory_utilization"],
             tensor_parallel_size=args.tensor_parallel_size,
             enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
             threads=args.rollout_threads or max(1, cores // n_workers))
-        self.workers = []
+        self.workers, self.worker_specs = [], {}
+        per_agent = args.rollout_workers_per_agent
         for a in range(t.num_agents):
             stop = (t.tokenizers[a].eos_token_id,)
-            self.workers.append([
-                start_actor(RolloutWorker, rollout, a, sources[a], args.rollout_engine,
-                            {**sampling, "stop_token_ids": stop}, engine_kwargs)
-                for _ in range(args.rollout_workers_per_agent)])
+            for i in range(per_agent):
+                # Kept to restart a worker that dies with the same arguments and bundle.
+                self.worker_specs[a, i] = (RolloutWorker, placed[a * per_agent + i], a,
+                                           sources[a], args.rollout_engine,
+                                           {**sampling, "stop_token_ids": stop}, engine_kwargs)
+            self.workers.append([start_actor(*self.worker_specs[a, i])
+                                 for i in range(per_agent)])
         self.learners = [] if self.for_eval else [
-            start_actor(Learner, learner, a, sources[a], learning_rate=args.agent_learning_rate,
+            start_actor(with_learner_endpoint(Learner), placed[n_workers + a], a, sources[a],
+                        learning_rate=args.agent_learning_rate,
                         train_batch_size=args.train_batch_size,
                         loss_aggregation=args.loss_aggregation,
                         advantage_mode=args.advantage_mode,
@@ -417,6 +431,7 @@ class _Session:
             ray_get(self.checkpointer.clean.remote(), "checkpointer")
         ray_get([w.get_version.remote() for w in self.actors if w is not self.checkpointer],
                 "starting rollout workers and learners")
+        self.transport = self._connect_transport(plan)
         if meta is not None:
             # Restore learners, then give every engine the restored weights before any rollout.
             self.versions = ray_get(
@@ -448,7 +463,7 @@ class _Session:
         return max(int(meta.get("last_logged_step", -1)), journal)
 
     def __exit__(self, *exc: Any) -> None:
-        from workers.launch import kill_actors
+        from workers.launch import kill_actors, remove_placement
 
         try:
             self.wait_checkpoint()
@@ -457,6 +472,7 @@ class _Session:
                 self.wandb.finish()
             kill_actors(self.actors)
             self.actors = []
+            remove_placement(getattr(self, "placement_group", None))
             if getattr(self, "tmp", None) is not None:
                 self.tmp.cleanup()
 
@@ -469,23 +485,37 @@ class _Session:
     # ---- generation (used by comlrl.rollout)
 
     def generate(self, requests_per_agent: list[list[dict]], timer: StepTimer) -> list[list]:
-        """Every agent's requests in one round: split across that agent's workers, all at once."""
-        from workers.launch import ray_get
+        """Every agent's requests in one round: split across that agent's workers, all at once.
 
-        refs, spans = [], []
+        A worker that dies meanwhile is restarted with the current weights and given its part
+        again; the part's requests carry their seeds, so the redone samples are the same.
+        """
+        from workers.launch import ActorFailure, ray_get
+
+        parts = []
         for a, reqs in enumerate(requests_per_agent):
-            ws = self.workers[a]
-            size = math.ceil(len(reqs) / len(ws)) if reqs else 0
-            for w_i, w in enumerate(ws):
+            n_workers = len(self.workers[a])
+            size = math.ceil(len(reqs) / n_workers) if reqs else 0
+            for w_i in range(n_workers):
                 part = reqs[w_i * size:(w_i + 1) * size]
                 if part:
-                    refs.append(w.generate.remote(part))
-                    spans.append(a)
+                    parts.append((a, w_i, part))
         start = time.perf_counter()
-        results = ray_get(refs, "rollout workers generating")
+        refs = [self.workers[a][w_i].generate.remote(part) for a, w_i, part in parts]
+        results = []
+        for (a, w_i, part), ref in zip(parts, refs):
+            for attempt in range(self.MAX_RESTARTS_PER_CALL + 1):
+                try:
+                    results.append(ray_get(ref, f"rollout worker {w_i} of agent {a} generating"))
+                    break
+                except ActorFailure as exc:
+                    if attempt == self.MAX_RESTARTS_PER_CALL:
+                        raise
+                    self._restart_worker(a, w_i, exc)
+                    ref = self.workers[a][w_i].generate.remote(part)
         timer.generation += time.perf_counter() - start
         outputs: list[list] = [[] for _ in requests_per_agent]
-        for a, res in zip(spans, results):
+        for (a, _, _), res in zip(parts, results):
             outputs[a].extend(res["outputs"])
             timer.tokens += res["tokens"]
             timer.rollout_versions[a] = res["version"]
@@ -511,22 +541,124 @@ class _Session:
         timer.weight_sync = time.perf_counter() - start
 
     def push_weights(self) -> None:
-        """Every learner's current weights to each of its agent's engines (object store)."""
+        """Every learner's current weights to each of its agent's engines, through the
+        session's weight transport (`workers.transport`). A worker found dead is restarted,
+        which gives it these same weights."""
+        import ray
+
+        from workers.launch import ActorFailure, ray_get
+
+        self.wake_engines()
+        versions = ray_get([l.get_version.remote() for l in self.learners], "learners")
+        refs = {a: self.transport.push(a, l, self.workers[a], versions[a])
+                for a, l in enumerate(self.learners)}
+        errors = {}
+        for a, agent_refs in refs.items():
+            for ref in agent_refs:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - sorted out below
+                    errors.setdefault(a, exc)
+        for a, exc in errors.items():
+            dead = self._dead_workers(a)
+            if not dead:  # a real error in the learner or engine, not a lost worker
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    raise ActorFailure(f"pushing weights of agent {a}: the Ray actor died: "
+                                       f"{exc}") from exc
+                raise exc
+            for w_i in dead:
+                self._restart_worker(a, w_i, exc)
+        self.versions = list(versions)
+
+    # ---- scale-out: transports, restarts, sleep mode
+
+    MAX_RESTARTS_PER_CALL = 2
+    """A worker that dies again this often within one generate call is not restarted again."""
+
+    def _connect_transport(self, plan: dict):
+        """The weight transport `plan` chose, connected to every learner and its workers.
+
+        With weight_transport='auto', a GPU transport that cannot be set up falls back to the
+        object store with a warning; an explicit choice fails instead."""
+        import warnings
+
+        from workers.transport import ObjectStoreTransport, make_transport
+
+        args = self.t.args
+        gpus = plan["learner"].num_gpus > 0 and plan["rollout"].num_gpus > 0
+        bucket = int(os.environ.get("COMLRL_WEIGHT_BUCKET_BYTES", 256 * 1024 * 1024))
+        transport = make_transport(plan["transport"], backend="nccl" if gpus else "gloo",
+                                   bucket_bytes=bucket)
+        try:
+            for a, learner in enumerate(self.learners):
+                transport.connect(a, learner, self.workers[a])
+        except Exception as exc:
+            if args.weight_transport != "auto":
+                raise
+            warnings.warn(f"weight_transport='auto' chose {transport.name!r}, which could not "
+                          f"be set up ({exc}); pushing weights through the Ray object store.")
+            transport = ObjectStoreTransport()
+        return transport
+
+    def _dead_workers(self, agent: int) -> list[int]:
+        import ray
+
+        dead = []
+        for w_i, w in enumerate(self.workers[agent]):
+            try:
+                ray.get(w.get_version.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                dead.append(w_i)
+        return dead
+
+    def _restart_worker(self, agent: int, index: int, cause: BaseException) -> None:
+        """Replace dead worker `index` of `agent` by a new one with the same arguments and
+        bundle, holding the learner's current weights, before it generates again."""
+        import warnings
+
+        from workers.launch import kill_actors, ray_get, start_actor
+
+        old = self.workers[agent][index]
+        kill_actors([old])
+        new = start_actor(*self.worker_specs[agent, index])
+        self.workers[agent][index] = new
+        self.actors = [new if a is old else a for a in self.actors]
+        ray_get(new.get_version.remote(), f"restarting rollout worker {index} of agent {agent}")
+        if self.learners:
+            learner = self.learners[agent]
+            version = ray_get(learner.get_version.remote(), f"learner {agent}")
+            ray_get(self.transport.refresh(agent, learner, self.workers[agent], index, version),
+                    f"pushing weights to restarted rollout worker {index} of agent {agent}")
+        self.rollout_restarts += 1
+        self.pending_metrics["rollout/restarts"] = self.rollout_restarts
+        warnings.warn(f"rollout worker {index} of agent {agent} died ({cause}); restarted it "
+                      f"with the current weights (restart {self.rollout_restarts} of this run).")
+
+    rollout_restarts = 0
+
+    def sleep_engines(self) -> None:
+        """Put every engine to sleep before the learners train (vLLM sleep mode releases its
+        GPU memory; needed when learner and engines share a GPU, e.g. single_gpu). No-op
+        unless `enable_sleep_mode`. Engines wake in `push_weights` or on their next call."""
         from workers.launch import ray_get
 
-        refs = []
-        for a, learner in enumerate(self.learners):
-            version = ray_get(learner.get_version.remote(), f"learner {a}")
-            weights = learner.get_weights.remote()
-            refs += [w.update_weights.remote(version, weights) for w in self.workers[a]]
-            self.versions[a] = version
-        ray_get(refs, "pushing weights to rollout workers")
+        if self.t.args.enable_sleep_mode:
+            ray_get([w.sleep.remote() for ws in self.workers for w in ws], "engines sleeping")
+
+    def wake_engines(self) -> None:
+        """Wake every engine (no-op unless `enable_sleep_mode`)."""
+        from workers.launch import ray_get
+
+        if self.t.args.enable_sleep_mode:
+            ray_get([w.wake.remote() for ws in self.workers for w in ws], "engines waking")
 
     # ---- logging
 
     def log(self, metrics: dict, step: int) -> None:
-        if metrics and self.wandb is not None:
-            self.wandb.log(metrics, step)
+        # Events such as rollout/restarts ride along with the next point that is sent.
+        metrics = {**metrics, **self.pending_metrics}
+        if metrics and self.wandb is not None and self.wandb.log(metrics, step):
+            self.pending_metrics = {}
 
     def log_step(self, episodes: list[Episode], timer: StepTimer, extra: dict) -> None:
         """The step's training metrics (every `logging_steps` env_steps) plus `extra`."""

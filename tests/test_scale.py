@@ -1,0 +1,289 @@
+"""Scale-out: placement (groups, pins, impossible requests), the single-GPU preset, weight
+transports, results independent of the rollout-worker count, restarting a killed worker, and
+a two-node run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+from comlrl.config import MAGRPOConfig
+from tests.conftest import ROOT, wandb_history
+from workers.launch import Placement, find_infeasible, plan_placement
+from workers.transport import pack_bucket, plan_layout, resolve_transport, unpack_bucket
+
+# Values that must not depend on how many workers drew the samples, or on a restart.
+DETERMINISTIC = ("turn_1/reward_mean", "turn_1/expected_return", "agent_0/loss",
+                 "agent_1/loss", "agent_0/completion_length", "agent_1/completion_length",
+                 "agent_0/policy_version", "agent_1/policy_version")
+
+
+# ---------------------------------------------------------------------- placement plans
+
+
+@pytest.mark.parametrize("workers_per_agent", [1, 2, 3])
+def test_single_gpu_preset_puts_every_actor_on_one_gpu(workers_per_agent):
+    cfg = MAGRPOConfig(single_gpu=True, rollout_workers_per_agent=workers_per_agent,
+                       gpu_memory_utilization=0.6)
+    plan = plan_placement(cfg, num_agents=2)
+    engines, learners = 2 * workers_per_agent, 2
+    total = engines * plan["rollout"].num_gpus + learners * plan["learner"].num_gpus
+    assert 0.99 <= total + 1e-3 and total <= 1.0
+    assert 0 < plan["rollout"].num_gpus < 1 and plan["rollout"].num_gpus == plan["learner"].num_gpus
+    # All engines together take gpu_memory_utilization of the GPU; the rest is the learners'.
+    assert plan["gpu_memory_utilization"] * engines == pytest.approx(0.6)
+    assert plan["strategy"] == "STRICT_PACK"
+    assert plan["transport"] == "cuda_ipc"
+    assert cfg.enable_sleep_mode
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        MAGRPOConfig(single_gpu=True, tensor_parallel_size=2)
+
+
+def test_default_plan_packs_and_pins_custom_resources():
+    cfg = MAGRPOConfig(rollout_resources={"rollout_node": 1}, learner_resources={"big": 0.5},
+                       learner_num_gpus=1, rollout_num_cpus=1)
+    plan = plan_placement(cfg, num_agents=2)
+    assert plan["strategy"] == "PACK" and plan["transport"] == "object_store"
+    assert plan["rollout"].bundle() == {"CPU": 1.0, "rollout_node": 1.0}
+    assert plan["learner"].bundle() == {"CPU": 0.5, "GPU": 1.0, "big": 0.5}
+    assert plan["gpu_memory_utilization"] == cfg.gpu_memory_utilization
+    assert Placement().bundle() == {}
+
+
+def test_weight_transport_resolution_and_validation():
+    assert resolve_transport("auto", learner_gpus=0, rollout_gpus=0) == "object_store"
+    assert resolve_transport("auto", learner_gpus=1, rollout_gpus=0) == "object_store"
+    assert resolve_transport("auto", learner_gpus=1, rollout_gpus=1) == "nccl"
+    assert resolve_transport("auto", learner_gpus=.3, rollout_gpus=.3, single_gpu=True) == \
+        "cuda_ipc"
+    assert resolve_transport("auto", learner_gpus=1, rollout_gpus=1,
+                             tensor_parallel_size=2) == "object_store"
+    assert resolve_transport("nccl", learner_gpus=0, rollout_gpus=0) == "nccl"  # gloo on CPU
+    with pytest.raises(ValueError, match="cuda_ipc"):
+        resolve_transport("cuda_ipc", learner_gpus=0, rollout_gpus=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        resolve_transport("nccl", learner_gpus=1, rollout_gpus=1, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="weight_transport"):
+        MAGRPOConfig(weight_transport="tcp")
+    with pytest.raises(ValueError, match="rollout_resources"):
+        MAGRPOConfig(rollout_resources={"GPU": 1})
+    with pytest.raises(ValueError, match="learner_resources"):
+        MAGRPOConfig(learner_resources={"node": -1})
+    with pytest.raises(ValueError, match="placement_timeout_s"):
+        MAGRPOConfig(placement_timeout_s=0)
+
+
+def test_infeasible_requests_name_the_setting():
+    nodes = [{"CPU": 4, "GPU": 1, "memory": 1e9}, {"CPU": 8, "rollout_node": 4}]
+    fits = [("rollout", Placement(1, 0, {"rollout_node": 1}))] * 4 + [("learner", Placement(1, 1))]
+    assert find_infeasible(fits, nodes) is None
+    # Cluster total is enough (12 CPUs) but no single node has 9.
+    msg = find_infeasible([("rollout", Placement(9))], nodes)
+    assert "rollout_num_cpus" in msg and "largest node has 8" in msg
+    # Each resource exists somewhere, never together on one node.
+    msg = find_infeasible([("learner", Placement(1, 1, {"rollout_node": 1}))], nodes)
+    assert "combination" in msg and "learner_num_gpus" in msg
+    msg = find_infeasible([("rollout", Placement(0.5, 0, {"gpu_node": 1}))], nodes)
+    assert "rollout_resources['gpu_node']" in msg
+    msg = find_infeasible([("learner", Placement(1, 1))] * 2, nodes)
+    assert "learner_num_gpus" in msg and "need 2" in msg
+    # single_gpu (STRICT_PACK): everything on one node.
+    msg = find_infeasible([("rollout", Placement(3, 0.3))] * 2, nodes, "STRICT_PACK")
+    assert "single_gpu" in msg
+
+
+# ---------------------------------------------------------------------- weight buckets
+
+
+def test_bucket_layout_round_trip(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    state["extra.half"] = torch.randn(7, 3).half()
+    params = [(k, list(v.shape), str(v.dtype).split(".")[-1]) for k, v in state.items()]
+    layout = plan_layout(params, bucket_bytes=64 * 1024)
+    assert 3 < len(layout["buckets"]) < len(params)
+    assert sorted(i for b in layout["buckets"] for i in b["params"]) == list(range(len(params)))
+    for b in layout["buckets"]:
+        assert {layout["dtypes"][i] for i in b["params"]} == {b["dtype"]}
+        assert b["bytes"] <= 64 * 1024 or len(b["params"]) == 1
+    got = {}
+    for b in layout["buckets"]:
+        flat = pack_bucket([state[layout["names"][i]] for i in b["params"]], b, "cpu")
+        got.update(unpack_bucket(flat.clone(), layout, b))
+    assert got.keys() == state.keys()
+    for k in state:
+        assert got[k].dtype == state[k].dtype and torch.equal(got[k], state[k]), k
+
+
+# ---------------------------------------------------------------------- on Ray
+
+
+def _trainer(tiny_model, wandb_config=None, **overrides):
+    from tests.test_train_e2e import make_trainer
+
+    return make_trainer(tiny_model, wandb_config, verbose=False, **overrides)
+
+
+@pytest.mark.e2e
+def test_impossible_placement_fails_at_once(ray_session, tiny_model):
+    start = time.time()
+    with pytest.raises(ValueError, match="rollout_num_cpus"):
+        _trainer(tiny_model, rollout_num_cpus=3).train()          # the node has 2
+    with pytest.raises(ValueError, match=r"rollout_resources\['rollout_node'\]"):
+        _trainer(tiny_model, rollout_resources={"rollout_node": 1}).train()
+    assert time.time() - start < 60
+
+
+@pytest.mark.e2e
+def test_unreservable_placement_times_out_clearly(ray_session, tiny_model):
+    from ray.util import placement_group, remove_placement_group
+
+    held = placement_group([{"CPU": 1.5}])                        # another job holds 1.5 of 2
+    assert held.wait(30)
+    try:
+        with pytest.raises(TimeoutError, match="placement_timeout_s"):
+            _trainer(tiny_model, placement_timeout_s=3).train()
+    finally:
+        remove_placement_group(held)
+
+
+@pytest.mark.e2e
+def test_broadcast_transport_over_gloo_matches_the_learner(ray_session, tiny_model):
+    """The bucketed broadcast (NCCL's code path, gloo backend on CPU) to two workers."""
+    import ray
+
+    from workers.launch import kill_actors, start_actor
+    from workers.learner import Learner
+    from workers.rollout import RolloutWorker
+    from workers.transport import NcclBroadcastTransport, with_learner_endpoint
+
+    sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None,
+                    stop_token_ids=(0,))
+    workers = [start_actor(RolloutWorker, Placement(0.25), 0, tiny_model, "vllm", sampling,
+                           dict(kv_cache_memory_bytes=32 << 20, threads=1)) for _ in range(2)]
+    learner = start_actor(with_learner_endpoint(Learner), Placement(0.25), 0, tiny_model,
+                          learning_rate=1e-2, train_batch_size=2, threads=1)
+    try:
+        transport = NcclBroadcastTransport(backend="gloo", bucket_bytes=128 * 1024)
+        transport.connect(0, learner, workers)
+        assert len(transport.layouts[0]["buckets"]) > 3       # several collective calls
+        prompt = [30, 31, 32, 33, 34]
+        comps = [[40, 41, 42, 43], [50, 51, 52], [60, 61]]
+        before = ray.get(workers[0].prompt_logprobs.remote(prompt + comps[0]))
+        res = ray.get(learner.update.remote(
+            [{"prompt_ids": prompt, "completions": comps, "returns": [1.0, -0.5, -0.5]}], 1))
+        ray.get(transport.push(0, learner, workers, res["version"]))
+        want = ray.get(learner.sequence_logprobs.remote(prompt, [comps[0]]))[0]
+        for w in workers:
+            assert ray.get(w.get_version.remote()) == res["version"]
+            got = ray.get(w.prompt_logprobs.remote(prompt + comps[0]))[len(prompt):]
+            assert got == pytest.approx(want, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(got, before[len(prompt):])) > 1e-3
+        # A replaced member: the group is rebuilt and everyone gets the weights again.
+        kill_actors([workers[1]])
+        workers[1] = start_actor(RolloutWorker, Placement(0.25), 0, tiny_model, "vllm",
+                                 sampling, dict(kv_cache_memory_bytes=32 << 20, threads=1))
+        ray.get(transport.refresh(0, learner, workers, 1, res["version"]))
+        got = ray.get(workers[1].prompt_logprobs.remote(prompt + comps[0]))[len(prompt):]
+        assert got == pytest.approx(want, abs=1e-4)
+    finally:
+        kill_actors(workers + [learner])
+
+
+def _by_step(history):
+    return {r["_step"]: {k: r[k] for k in DETERMINISTIC if k in r} for r in history
+            if "turn_1/reward_mean" in r}
+
+
+@pytest.fixture(scope="module")
+def one_worker_run(ray_session, tiny_model, tmp_path_factory, monkeypatch_module):
+    """The seed config, 2 epochs, one rollout worker per agent (the reference)."""
+    d = tmp_path_factory.mktemp("one_worker")
+    monkeypatch_module.setenv("WANDB_DIR", str(d))
+    _trainer(tiny_model, {"project": "comlrl-tests", "name": "one-worker"}).train()
+    return _by_step(wandb_history(d))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.mark.e2e
+def test_two_workers_per_agent_log_the_same_values(one_worker_run, tiny_model, wandb_dir):
+    trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "two-workers"},
+                       rollout_workers_per_agent=2, rollout_num_cpus=0.25)
+    trainer.train()
+    got = _by_step(wandb_history(wandb_dir))
+    assert sorted(got) == sorted(one_worker_run) == [8, 16, 24, 32]
+    for step in one_worker_run:
+        assert got[step] == one_worker_run[step], step      # exact, no tolerance
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_killed_rollout_worker_is_restarted_and_the_run_is_unchanged(
+        one_worker_run, tiny_model, wandb_dir):
+    trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "kill-worker"},
+                       rollout_workers_per_agent=2, rollout_num_cpus=0.25)
+    killed = {}
+
+    def killer():
+        import ray
+
+        deadline = time.time() + 600
+        while trainer._session is None or not hasattr(trainer._session, "transport"):
+            if time.time() > deadline:
+                return
+            time.sleep(0.05)
+        victim = trainer._session.workers[0][1]
+        killed["pid"] = ray.get(victim.node_info.remote())["pid"]
+        while trainer.env_step < 8 and time.time() < deadline:   # after the first update
+            time.sleep(0.02)
+        os.kill(killed["pid"], signal.SIGKILL)
+        killed["at"] = trainer.env_step
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    thread.join(timeout=5)
+    assert "at" in killed, "the worker was never killed"
+    restarts = [str(w.message) for w in caught if "restarted it" in str(w.message)]
+    assert len(restarts) == 1, restarts
+    history = wandb_history(wandb_dir)
+    assert [r["rollout/restarts"] for r in history if "rollout/restarts" in r] == [1]
+    got = _by_step(history)
+    assert sorted(got) == [8, 16, 24, 32]
+    for step in one_worker_run:
+        assert got[step] == one_worker_run[step], step
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_two_nodes_rollout_workers_pinned_to_the_worker_node(tiny_model, tmp_path):
+    out = tmp_path / "nodes.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "two_node_script.py"),
+                           "--model", tiny_model, "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=480, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    seen = json.loads(out.read_text())
+    assert seen["env_step"] == 4
+    assert seen["head"] != seen["worker_node"]
+    assert seen["workers"] == [seen["worker_node"]] * 2
+    assert seen["learners"] == [seen["head"]] * 2

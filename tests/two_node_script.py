@@ -1,0 +1,68 @@
+"""Two Ray nodes on one machine (ray.cluster_utils.Cluster): rollout workers pinned to the
+worker node through `rollout_resources`, learners to the head through `learner_resources`.
+
+    python tests/two_node_script.py --model M --out result.json
+
+Runs as its own process because it needs its own Ray (the test session already has one).
+Writes the node id of every actor, seen from inside the actors during training.
+"""
+
+import argparse
+import json
+import os
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--out", required=True)
+cli = parser.parse_args()
+
+for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                   "RAY_USAGE_STATS_ENABLED": "0", "WANDB_MODE": "offline"}.items():
+    os.environ.setdefault(key, value)
+
+import ray
+from datasets import Dataset
+from ray.cluster_utils import Cluster
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+cluster = Cluster(initialize_head=True, head_node_args=dict(
+    num_cpus=1, resources={"learner_node": 2}, include_dashboard=False,
+    object_store_memory=256 * 1024 * 1024))
+worker_node = cluster.add_node(num_cpus=1, resources={"rollout_node": 4},
+                               object_store_memory=256 * 1024 * 1024)
+ray.init(address=cluster.address, log_to_driver=False)
+seen: dict = {}
+trainer = None
+
+
+def reward(completions1, completions2):
+    if not seen:  # first call: the actors are up; ask each where it runs
+        s = trainer._session
+        seen["workers"] = [ray.get(w.node_info.remote())["node_id"]
+                           for ws in s.workers for w in ws]
+        seen["learners"] = [ray.get(l.node_info.remote())["node_id"] for l in s.learners]
+    return [-(len(a) + len(b)) / 40.0 for a, b in zip(completions1, completions2)]
+
+
+try:
+    trainer = MAGRPOTrainer(
+        agents=[AutoModelForCausalLM.from_pretrained(cli.model) for _ in range(2)],
+        tokenizer=AutoTokenizer.from_pretrained(cli.model), reward_func=reward,
+        train_dataset=Dataset.from_dict({"prompt": ["Describe a city in the clouds:",
+                                                    "Design a playground on Mars:"]}),
+        args=MAGRPOConfig(num_turns=1, num_train_epochs=1, num_generations=2,
+                          max_new_tokens=8, logging_steps=1, rollout_num_cpus=0.25,
+                          learner_num_cpus=0.25, rollout_resources={"rollout_node": 1},
+                          learner_resources={"learner_node": 1}, verbose=False),
+        wandb_config=None)
+    trainer.train()
+    seen["head"] = cluster.head_node.node_id
+    seen["worker_node"] = worker_node.node_id
+    seen["env_step"] = trainer.env_step
+    with open(cli.out, "w") as f:
+        json.dump(seen, f)
+finally:
+    ray.shutdown()
+    cluster.shutdown()
