@@ -532,6 +532,8 @@ class _Session:
             groups = [g for ep in episodes for g in ep.learner_groups(a, args)]
             seed = magrpo.derive_seed(args.seed, "shuffle", self.update_index, a)
             refs.append(learner.update.remote(groups, seed))
+        # Engines release their GPU memory while the learners train (single_gpu preset).
+        self.sleep_engines()
         start = time.perf_counter()
         timer.learner = ray_get(refs, "learners updating")
         timer.learning = time.perf_counter() - start
