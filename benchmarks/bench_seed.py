@@ -273,18 +273,32 @@ def main() -> None:
     if floor:
         floor["foreign_cpu"] = floor_monitor.report()
 
+    name = bl.result_name("bench_seed", a.short, sizes, "ckpt" if a.checkpoint else "",
+                          "-".join(sides) if sides != ["ours", "comlrl"] else "")
+    settings = {"sizes": sizes, "repeats": repeats, "epochs": epochs_of, "sides": sides,
+                "checkpoint": a.checkpoint, "params": counts}
     runs: dict[str, dict[str, list[dict]]] = {s: {side: [] for side in sides} for s in sizes}
+    failures = []
     for size in sizes:
         for r in range(repeats):
             # Alternate which side goes first, so drift in the machine's load hits both.
             order = sides if r % 2 == 0 else list(reversed(sides))
             for side in order:
                 timeout = 900 + 300 * epochs_of[size]
-                with bl.ForeignCPU() as monitor:
-                    res = run_side(side, models[size], epochs_of[size],
-                                   logs / f"seed-{size}-{side}-{r}.log", a.checkpoint, timeout)
+                try:
+                    with bl.ForeignCPU() as monitor:
+                        res = run_side(side, models[size], epochs_of[size],
+                                       logs / f"seed-{size}-{side}-{r}.log", a.checkpoint,
+                                       timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"  {size} {side} run {r + 1}/{repeats} FAILED: {exc}", flush=True)
+                    failures.append(f"{size} {side} run {r + 1}: {exc}")
+                    continue
                 res["foreign_cpu"] = monitor.report()
                 runs[size][side].append(res)
+                # Keep what is done so far, in case a later run dies.
+                bl.write_results(name + "_partial", {"settings": settings, "floor": floor,
+                                                     "runs": runs, "failures": failures})
                 print(f"  {size} {side} run {r + 1}/{repeats}: steady epoch "
                       f"{bl.fmt(res['steady_epoch_s'])} s, start-up {bl.fmt(res['startup_s'])} s,"
                       f" train() {bl.fmt(res['train_total_s'])} s; other processes "
@@ -296,6 +310,8 @@ def main() -> None:
         for side in sides:
             rs = runs[size][side]
             agg = {}
+            if not rs:
+                continue
             for key in ("steady_epoch_s", "startup_s", "first_step_s", "train_total_s",
                         "process_wall_s", "generation_per_epoch_s", "learning_per_epoch_s",
                         "weight_sync_per_epoch_s", "other_per_epoch_s", "tokens_per_s",
@@ -311,7 +327,7 @@ def main() -> None:
             rows.append([size, f"{counts[size]:,}", side, med("startup_s"), med("first_step_s"),
                          med("steady_epoch_s"), rng("steady_epoch_s"), med("train_total_s"),
                          f"{epochs_of[size]}x{len(rs)}", f"{100 * busy:.0f}%"])
-        if "ours" in sides and "comlrl" in sides:
+        if "ours" in sides and "comlrl" in sides and all(runs[size][s] for s in sides):
             o, c = summary[size]["ours"], summary[size]["comlrl"]
             ratio = {k: c[k]["median"] / o[k]["median"]
                      for k in ("steady_epoch_s", "startup_s", "first_step_s", "train_total_s")
@@ -346,14 +362,13 @@ def main() -> None:
                        [[s, f"{f['params']:,}", f["fwd_bwd_16x80_s"], f["fwd_bwd_gflops"],
                          f["epoch_floor_learning_s"], f["epoch_floor_generation_s"],
                          f["epoch_floor_s"]] for s, f in floor["models"].items()]))
-    name = bl.result_name("bench_seed", a.short, sizes, "ckpt" if a.checkpoint else "",
-                          "-".join(sides) if sides != ["ours", "comlrl"] else "")
     path = bl.write_results(name, {
-        "settings": {"sizes": sizes, "repeats": repeats, "epochs": epochs_of, "sides": sides,
-                     "checkpoint": a.checkpoint, "params": counts},
-        "comlrl_venv": versions, "floor": floor, "summary": summary, "runs": runs,
-        "loadavg_at_start": load_start})
+        "settings": settings, "comlrl_venv": versions, "floor": floor, "summary": summary,
+        "runs": runs, "failures": failures, "loadavg_at_start": load_start})
+    (bl.RESULTS_DIR / f"{name}_partial.json").unlink(missing_ok=True)
     print(f"\nwrote {path}")
+    if failures:
+        raise SystemExit("failed runs:\n  " + "\n  ".join(failures))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ BENCH_ENV = {
     "WANDB_MODE": "offline",
     "WANDB_SILENT": "true",
     "TOKENIZERS_PARALLELISM": "false",
+    # A Ray temp dir of our own: a plain ray.init() joins any cluster that `ray start` left
+    # in /tmp/ray (its address file), and the trainer's local ray.init(num_cpus=...) then
+    # fails with "When connecting to an existing cluster, num_cpus ... must not be provided".
+    "RAY_TMPDIR": "/tmp/ray-bench",
 }
 
 # The three model shapes of the issue. intermediate_size = 2 x hidden lands each parameter
