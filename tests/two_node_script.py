@@ -55,7 +55,8 @@ try:
         args=MAGRPOConfig(num_turns=1, num_train_epochs=1, num_generations=2,
                           max_new_tokens=8, logging_steps=1, rollout_num_cpus=0.25,
                           learner_num_cpus=0.25, rollout_resources={"rollout_node": 1},
-                          learner_resources={"learner_node": 1}, verbose=False),
+                          learner_resources={"learner_node": 1}, rollout_engine="hf",
+                          verbose=False),
         wandb_config=None)
     trainer.train()
     seen["head"] = cluster.head_node.node_id

@@ -633,7 +633,8 @@ class _Session:
                     f"pushing weights to restarted rollout worker {index} of agent {agent}")
         self.rollout_restarts += 1
         self.pending_metrics["rollout/restarts"] = self.rollout_restarts
-        warnings.warn(f"rollout worker {index} of agent {agent} died ({cause}); restarted it "
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+        warnings.warn(f"rollout worker {index} of agent {agent} died ({why}); restarted it "
                       f"with the current weights (restart {self.rollout_restarts} of this run).")
 
     rollout_restarts = 0
