@@ -69,6 +69,8 @@ def test_weight_transport_resolution_and_validation():
     assert resolve_transport("nccl", learner_gpus=0, rollout_gpus=0) == "nccl"  # gloo on CPU
     with pytest.raises(ValueError, match="cuda_ipc"):
         resolve_transport("cuda_ipc", learner_gpus=0, rollout_gpus=0)
+    with pytest.raises(ValueError, match="single_gpu"):
+        resolve_transport("nccl", learner_gpus=.3, rollout_gpus=.3, single_gpu=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         resolve_transport("nccl", learner_gpus=1, rollout_gpus=1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="weight_transport"):
@@ -159,7 +161,8 @@ def test_unreservable_placement_times_out_clearly(ray_session, tiny_model):
 
 @pytest.mark.e2e
 def test_broadcast_transport_over_gloo_matches_the_learner(ray_session, tiny_model):
-    """The bucketed broadcast (NCCL's code path, gloo backend on CPU) to two workers."""
+    """The bucketed broadcast (NCCL's code path, gloo backend on CPU) to a vLLM and an HF
+    worker, and again after the HF one is replaced."""
     import ray
 
     from workers.launch import kill_actors, start_actor
@@ -169,8 +172,9 @@ def test_broadcast_transport_over_gloo_matches_the_learner(ray_session, tiny_mod
 
     sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None,
                     stop_token_ids=(0,))
-    workers = [start_actor(RolloutWorker, Placement(0.25), 0, tiny_model, "hf", sampling,
-                           dict(threads=1)) for _ in range(2)]
+    workers = [start_actor(RolloutWorker, Placement(0.25), 0, tiny_model, engine, sampling,
+                           dict(kv_cache_memory_bytes=32 << 20, threads=1))
+               for engine in ("vllm", "hf")]
     learner = start_actor(with_learner_endpoint(Learner), Placement(0.25), 0, tiny_model,
                           learning_rate=1e-2, train_batch_size=2, threads=1)
     try:

@@ -56,6 +56,9 @@ def resolve_transport(name: str, *, learner_gpus: float, rollout_gpus: float,
         raise ValueError(
             f"weight_transport={name!r} reaches engines with one rank only "
             f"(tensor_parallel_size={tensor_parallel_size}); use 'object_store' or 'auto'.")
+    if name == "nccl" and single_gpu:
+        raise ValueError("weight_transport='nccl' cannot join processes that share one GPU "
+                         "(single_gpu); use 'cuda_ipc' or 'auto'.")
     if name == "cuda_ipc" and (learner_gpus <= 0 or rollout_gpus <= 0):
         raise ValueError("weight_transport='cuda_ipc' needs learner and rollout workers on a "
                          "GPU (learner_num_gpus > 0 and rollout_num_gpus > 0, or single_gpu).")
