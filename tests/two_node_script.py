@@ -43,6 +43,7 @@ def reward(completions1, completions2):
         seen["workers"] = [ray.get(w.node_info.remote())["node_id"]
                            for ws in s.workers for w in ws]
         seen["learners"] = [ray.get(l.node_info.remote())["node_id"] for l in s.learners]
+        s.sleep_engines()  # as before an update; the weight push wakes them again
     return [-(len(a) + len(b)) / 40.0 for a, b in zip(completions1, completions2)]
 
 
@@ -56,6 +57,7 @@ try:
                           max_new_tokens=8, logging_steps=1, rollout_num_cpus=0.25,
                           learner_num_cpus=0.25, rollout_resources={"rollout_node": 1},
                           learner_resources={"learner_node": 1}, rollout_engine="hf",
+                          enable_sleep_mode=True,  # exercises the sleep/wake calls (no-ops here)
                           verbose=False),
         wandb_config=None)
     trainer.train()

@@ -643,17 +643,27 @@ class _Session:
         """Put every engine to sleep before the learners train (vLLM sleep mode releases its
         GPU memory; needed when learner and engines share a GPU, e.g. single_gpu). No-op
         unless `enable_sleep_mode`. Engines wake in `push_weights` or on their next call."""
-        from workers.launch import ray_get
-
         if self.t.args.enable_sleep_mode:
-            ray_get([w.sleep.remote() for ws in self.workers for w in ws], "engines sleeping")
+            self._on_every_worker("sleep")
 
     def wake_engines(self) -> None:
         """Wake every engine (no-op unless `enable_sleep_mode`)."""
-        from workers.launch import ray_get
-
         if self.t.args.enable_sleep_mode:
-            ray_get([w.wake.remote() for ws in self.workers for w in ws], "engines waking")
+            self._on_every_worker("wake")
+
+    def _on_every_worker(self, method: str) -> None:
+        """Call `method` on every rollout worker at once; a dead one is restarted first."""
+        from workers.launch import ActorFailure, ray_get
+
+        calls = [(a, i, getattr(w, method).remote())
+                 for a, ws in enumerate(self.workers) for i, w in enumerate(ws)]
+        for a, i, ref in calls:
+            what = f"rollout worker {i} of agent {a}: {method}"
+            try:
+                ray_get(ref, what)
+            except ActorFailure as exc:
+                self._restart_worker(a, i, exc)
+                ray_get(getattr(self.workers[a][i], method).remote(), what)
 
     # ---- logging
 
