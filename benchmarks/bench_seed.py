@@ -109,13 +109,16 @@ def wandb_history(wandb_dir: Path) -> list[dict]:
 
 
 def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bool,
-             timeout: float) -> dict:
+             timeout: float, comlrl_threads: int | None = None) -> dict:
     python = bl.ROOT / ".venv" / "bin" / "python" if side == "ours" else \
         COMLRL_VENV / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix=f"bench-seed-{side}-") as tmp:
         tmp = Path(tmp)
         env = {**os.environ, **bl.BENCH_ENV, "WANDB_DIR": str(tmp)}
         env.pop("RAY_ADDRESS", None)
+        if side == "comlrl" and comlrl_threads:
+            # comlrl runs in one process; torch takes its thread count from OMP_NUM_THREADS.
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(comlrl_threads)
         cmd = [str(python), str(USER_SCRIPT), "--model", str(model), "--epochs", str(epochs),
                "--out", str(tmp / "times.json")]
         if checkpoint:
@@ -167,7 +170,9 @@ def analyse(side: str, times: dict, rows: list[dict], epochs: int, wall: float) 
             out[f"{name}_per_epoch_s"] = bl.median(
                 [sum(r.get(key, 0.0) for r in by_epoch[e]) for e in steady_epochs])
         if steady is not None:
-            out["other_per_epoch_s"] = steady - sum(out[f"{n}_per_epoch_s"] for n in keys)
+            out["other_per_epoch_s"] = bl.median(
+                [epoch_s[e - 1] - sum(r.get(k, 0.0) for r in by_epoch[e] for k in keys.values())
+                 for e in steady_epochs])
         out["tokens_per_s"] = bl.median([r.get("throughput/generation_tokens_per_s")
                                          for e in steady_epochs for r in by_epoch[e]])
         step1 = sum(first.get(k, 0.0) for k in keys.values())
@@ -316,6 +321,9 @@ def main() -> None:
     p.add_argument("--checkpoint", action="store_true",
                    help="checkpoint every epoch like the seed example (keep the newest)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor measurements")
+    p.add_argument("--comlrl-threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for comlrl's process (default: torch's, = cores). 1 "
+                        "keeps it usable on a busy machine, where 2 OpenMP threads stall")
     p.add_argument("--from-json", metavar="FILE",
                    help="print the tables of a results file (also a _partial one) and exit")
     a = p.parse_args()
@@ -344,9 +352,11 @@ def main() -> None:
         floor["foreign_cpu"] = floor_monitor.report()
 
     name = bl.result_name("bench_seed", a.short, sizes, "ckpt" if a.checkpoint else "",
-                          "-".join(sides) if sides != ["ours", "comlrl"] else "")
+                          "-".join(sides) if sides != ["ours", "comlrl"] else "",
+                          f"comlrl{a.comlrl_threads}t" if a.comlrl_threads else "")
     settings = {"sizes": sizes, "repeats": repeats, "epochs": epochs_of, "sides": sides,
-                "checkpoint": a.checkpoint, "params": counts}
+                "checkpoint": a.checkpoint, "params": counts,
+                "comlrl_threads": a.comlrl_threads}
     runs: dict[str, dict[str, list[dict]]] = {s: {side: [] for side in sides} for s in sizes}
     failures = []
     for size in sizes:
@@ -359,7 +369,7 @@ def main() -> None:
                     with bl.ForeignCPU() as monitor:
                         res = run_side(side, models[size], epochs_of[size],
                                        logs / f"seed-{size}-{side}-{r}.log", a.checkpoint,
-                                       timeout)
+                                       timeout, a.comlrl_threads)
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
                     print(f"  {size} {side} run {r + 1}/{repeats} FAILED: {exc}", flush=True)
                     failures.append(f"{size} {side} run {r + 1}: {exc}")
