@@ -527,13 +527,13 @@ class _Session:
         from workers.launch import ray_get
 
         t, args = self.t, self.t.args
+        # Engines release their GPU memory before the learners train (single_gpu preset).
+        self.sleep_engines()
         refs = []
         for a, learner in enumerate(self.learners):
             groups = [g for ep in episodes for g in ep.learner_groups(a, args)]
             seed = magrpo.derive_seed(args.seed, "shuffle", self.update_index, a)
             refs.append(learner.update.remote(groups, seed))
-        # Engines release their GPU memory while the learners train (single_gpu preset).
-        self.sleep_engines()
         start = time.perf_counter()
         timer.learner = ray_get(refs, "learners updating")
         timer.learning = time.perf_counter() - start
