@@ -63,28 +63,67 @@ def install_timers() -> None:
         setattr(owner, name, wrapper)
 
     real_ray_get = launch.ray_get
+    engine_seconds: list[float] = []          # per generate round: each worker's own seconds
 
     def ray_get(refs, what):
+        # Labels as the driver writes them; matched loosely so that small changes to the
+        # driver's wording do not silently drop a phase.
         t = time.perf_counter()
         out = real_ray_get(refs, what)
         dt = time.perf_counter() - t
-        if what == "rollout workers generating":
-            add("generation wait", dt)
-            add("  inside engines (slowest worker)", max(r["seconds"] for r in out))
-        elif what == "learners updating":
+        if "generating" in what:
+            items = out if isinstance(out, list) else [out]
+            engine_seconds.extend(r["seconds"] for r in items if isinstance(r, dict))
+        elif "updating" in what:
             add("learning wait", dt)
-        elif what == "pushing weights to rollout workers":
-            add("push: get_weights + update_weights wait", dt)
-            add("  vLLM reload inside workers (slowest)", max(out))
-        elif what.startswith("learner "):
-            add("push: get_version round trips", dt)
-        elif what == "starting rollout workers and learners":
+        elif "starting rollout workers" in what:
             add("actors + engines start (wait)", dt)
         else:
             add(f"ray_get: {what}", dt)
         return out
 
     launch.ray_get = ray_get
+
+    real_generate = Session.generate
+
+    def generate(self, *args, **kwargs):
+        engine_seconds.clear()
+        t = time.perf_counter()
+        try:
+            return real_generate(self, *args, **kwargs)
+        finally:
+            add("generation wait", time.perf_counter() - t)
+            if engine_seconds:
+                add("  inside engines (slowest worker)", max(engine_seconds))
+
+    Session.generate = generate
+
+    try:  # the reload seconds come back from update_weights through the transport's refs
+        import ray
+        import workers.transport as transport
+
+        pushed: list = []
+        real_push = transport.ObjectStoreTransport.push
+
+        def push(self, *args, **kwargs):
+            refs = real_push(self, *args, **kwargs)
+            pushed.extend(refs)
+            return refs
+
+        transport.ObjectStoreTransport.push = push
+        real_push_weights = Session.push_weights
+
+        def push_weights(self, *args, **kwargs):
+            pushed.clear()
+            out = real_push_weights(self, *args, **kwargs)
+            secs = [x for x in ray.get(list(pushed)) if isinstance(x, float)] if pushed else []
+            if secs:
+                add("  vLLM reload inside workers (slowest)", max(secs))
+            return out
+
+        Session.push_weights = push_weights
+    except (ImportError, AttributeError):
+        pass
 
     def on_rollout(trainer, session, epoch, *a, **k):
         if STATE["epoch"] != epoch:
@@ -170,7 +209,7 @@ def summarise(res: dict) -> tuple[list[list], list[list]]:
     wall = bl.median([res["epoch_wall_s"][e] for e in steady])
     g, rw, ro = (med("generation wait"), med("reward_func"), med("rollout (driver total)"))
     le, up = med("learning wait"), med("update_and_push (driver total)")
-    pu, ver = med("weight push (driver total)"), med("push: get_version round trips")
+    pu = med("weight push (driver total)")
     lg = med("W&B log_step")
     ck = med("checkpoint: save (learners write, commit queued)") + \
         med("checkpoint: wait for commit")
@@ -184,8 +223,7 @@ def summarise(res: dict) -> tuple[list[list], list[list]]:
         ["learning (learner actors, wait)", le],
         ["update: advantages, groups (driver)", up - le - pu],
         ["weight push: vLLM reload inside workers", reload_],
-        ["weight push: export + object store + Ray", pu - reload_ - ver],
-        ["weight push: get_version round trips", ver],
+        ["weight push: export, object store, Ray calls", pu - reload_],
         ["W&B logging", lg],
         ["checkpoint (save + commit wait)", ck],
     ]
