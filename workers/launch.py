@@ -51,7 +51,9 @@ def ensure_ray(address: str | None) -> bool:
                 f"to run on a local Ray."
             ) from exc
         return False
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env,
+    # address="local": always a new local Ray, never one a `ray start` left on this machine
+    # (joining that with num_cpus would fail).
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env,
              object_store_memory=512 * 1024 * 1024, log_to_driver=True)
     return True
 
