@@ -250,6 +250,7 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
     # stats, offline W&B under tmp, and the venv first on PATH so `python` is the venv's.
     env = {**os.environ, **TEST_ENV, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
            "WANDB_MODE": "offline", "WANDB_DIR": str(out)}
+    env.pop("WANDB_SERVICE", None)  # never join this pytest process's W&B service
     env.pop("WANDB_API_KEY", None)
     env.pop("RAY_ADDRESS", None)
     submit = [str(DEPLOY / "submit.sh"), "examples/seed_config.yaml", f"output_dir={out}"]

@@ -31,6 +31,10 @@ COMPARED = ("turn_1/reward_mean", "turn_1/expected_return", "agent_0/loss", "age
 def _env(wandb_dir: Path, **extra: str) -> dict:
     env = {**os.environ, "WANDB_DIR": str(wandb_dir), "PYTHONPATH": str(ROOT), **extra}
     env.pop("RAY_ADDRESS", None)
+    # An in-process W&B run earlier in this pytest process exported WANDB_SERVICE; a child
+    # that inherits it joins that service instead of starting its own, and hangs once a
+    # killed sibling has left the service in a bad state.
+    env.pop("WANDB_SERVICE", None)
     return env
 
 

@@ -299,6 +299,7 @@ def test_two_workers_per_agent_and_killed_workers_log_the_same_values(
 def test_two_nodes_rollout_workers_pinned_to_the_worker_node(tiny_model, tmp_path):
     out = tmp_path / "nodes.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WANDB_SERVICE", None)  # never join this pytest process's W&B service
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "two_node_script.py"),
                            "--model", tiny_model, "--out", str(out)], env=env,
