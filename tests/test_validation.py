@@ -60,12 +60,29 @@ def build(parts, **kw):
     return MAGRPOTrainer(**args)
 
 
-def test_construction_starts_nothing_heavy(parts):
+def test_construction_starts_nothing_heavy(tiny_model):
+    """In a fresh process: earlier tests of this session may have started Ray or imported vLLM
+    here, which would hide a constructor that does so."""
+    import subprocess
     import sys
 
-    build(parts)
-    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
-    assert "vllm" not in sys.modules
+    code = f"""
+import sys
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+model = AutoModelForCausalLM.from_pretrained({tiny_model!r})
+MAGRPOTrainer(agents=[model, model], tokenizer=AutoTokenizer.from_pretrained({tiny_model!r}),
+              reward_func=lambda a, b: [0.0] * len(a), args=MAGRPOConfig(num_turns=1),
+              train_dataset=Dataset.from_dict({{"prompt": ["a", "b"]}}))
+ray_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+print("HEAVY", ray_up, "vllm" in sys.modules, "wandb" in sys.modules and
+      sys.modules["wandb"].run is not None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "HEAVY False False False" in out.stdout, out.stdout
 
 
 def test_dataset_without_prompt_is_refused(parts):
