@@ -130,7 +130,10 @@ def main() -> None:
 
     monitor = bl.ForeignCPU().__enter__()
     t = time.perf_counter()
-    ensure_ray(None)                       # the trainer's own local Ray (loopback, no auth)
+    # The trainer's own local Ray (loopback, no auth), its object store sized as the trainer
+    # sizes it for the largest model pushed here.
+    biggest = max(4 * bl.param_count(bl.model_path(s)) for s in sizes)
+    ensure_ray(None, a.agents * biggest)
     ray_s = time.perf_counter() - t
     results, rows = {}, []
     try:

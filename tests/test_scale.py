@@ -58,6 +58,17 @@ def test_default_plan_packs_and_pins_custom_resources():
     assert Placement().bundle() == {}
 
 
+def test_object_store_fits_the_weights_within_a_quarter_of_memory():
+    from workers.launch import object_store_bytes
+
+    mib = 1024 * 1024
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert object_store_bytes(0) == 512 * mib                     # small models: the floor
+    two_agents_76m = 2 * 306_319_360                              # 2 x 76.6M fp32 state dicts
+    assert object_store_bytes(two_agents_76m) == 2 * two_agents_76m + 256 * mib
+    assert object_store_bytes(10 * total) == total // 4           # never past a quarter
+
+
 def test_weight_transport_resolution_and_validation():
     assert resolve_transport("auto", learner_gpus=0, rollout_gpus=0) == "object_store"
     assert resolve_transport("auto", learner_gpus=1, rollout_gpus=0) == "object_store"

@@ -27,8 +27,19 @@ class ActorFailure(RuntimeError):
     """A Ray actor died; the message says which one and why."""
 
 
-def ensure_ray(address: str | None) -> bool:
-    """Join `address` (or RAY_ADDRESS), else start a local Ray. Returns True if we started it."""
+def object_store_bytes(state_dict_bytes: int) -> int:
+    """Object store for a local Ray: every agent's state dict twice (the pushed copy and the
+    one being replaced while engines read) plus headroom, at least 512 MiB and at most a
+    quarter of memory. A fixed 512 MiB spilled every push to disk at 76.6M parameters (2 x
+    306 MB), 2.4 s a push against 0.5-0.8 s in memory (BENCHMARKS.md)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    want = 2 * state_dict_bytes + 256 * 1024 * 1024
+    return int(min(max(want, 512 * 1024 * 1024), total // 4))
+
+
+def ensure_ray(address: str | None, state_dict_bytes: int = 0) -> bool:
+    """Join `address` (or RAY_ADDRESS), else start a local Ray whose object store fits
+    `state_dict_bytes` (all agents' weights). Returns True if we started it."""
     import ray
 
     if ray.is_initialized():
@@ -54,7 +65,7 @@ def ensure_ray(address: str | None) -> bool:
     # address="local": always a new local Ray, never one a `ray start` left on this machine
     # (joining that with num_cpus would fail).
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env,
-             object_store_memory=512 * 1024 * 1024, log_to_driver=True)
+             object_store_memory=object_store_bytes(state_dict_bytes), log_to_driver=True)
     return True
 
 

@@ -166,8 +166,10 @@ class Learner:
             return self.model(input_ids=torch.tensor(input_ids, device=self.device)).logits.cpu()
 
     def get_weights(self) -> dict:
-        """CPU float tensors for the engines (Ray moves them through the object store)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """CPU tensors for the engines. No copy of CPU tensors here: Ray serializes the return
+        value into the object store before this actor runs its next call (the next update),
+        so that is the one copy the push needs."""
+        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
 
     def get_version(self) -> int:
         return self.version

@@ -378,7 +378,9 @@ class _Session:
                              f"{self.epoch} epochs the checkpoint already completed; "
                              f"num_train_epochs counts the whole run.")
 
-        self.started_ray = ensure_ray(args.ray_address)
+        weight_bytes = sum(p.numel() * p.element_size() for m in t._initial_models()
+                           for p in m.state_dict().values())
+        self.started_ray = ensure_ray(args.ray_address, weight_bytes)
         cores = max(1, int(ray.cluster_resources().get("CPU", 1)))
         n_workers = t.num_agents * args.rollout_workers_per_agent
         # One placement-group bundle per actor (workers.launch.plan_placement says why PACK,
