@@ -15,13 +15,27 @@ from pathlib import Path
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default=os.environ.get("COMLRL_MODEL"),
                     help="model folder or hub name (default: a tiny model built locally)")
-parser.add_argument("--output-dir", default=os.environ.get("COMLRL_OUTPUT", "runs/resume-demo"),
-                    help="where checkpoints, the tiny model and W&B files go")
+parser.add_argument("--output-dir", default=os.environ.get("COMLRL_OUTPUT"),
+                    help="where checkpoints, the tiny model and W&B files go (default: "
+                         "runs/resume-demo, or runs/resume-demo-N when that holds a run)")
 parser.add_argument("--first-half-only", action="store_true",
                     help="stop after the first two epochs")
 cli = parser.parse_args()
 
-out = Path(cli.output_dir).resolve()
+# A second run of the README's command starts a new run in a new folder: the example's first
+# half refuses a checkpoint_dir that already holds another run's checkpoints.
+if cli.output_dir is None:
+    out, n = Path("runs/resume-demo"), 1
+    while any((out / "checkpoints" / "resume-demo").glob("checkpoint-*")):
+        n += 1
+        out = Path(f"runs/resume-demo-{n}")
+else:
+    out = Path(cli.output_dir)
+    if any((out / "checkpoints" / "resume-demo").glob("checkpoint-*")):
+        parser.error(f"--output-dir {out} already holds a run's checkpoints; pass a new folder "
+                     f"or remove {out / 'checkpoints'}")
+out = out.resolve()
+print(f"output folder: {out}")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_DIR", str(out))
 (out).mkdir(parents=True, exist_ok=True)
