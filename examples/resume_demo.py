@@ -23,15 +23,23 @@ parser.add_argument("--first-half-only", action="store_true",
 cli = parser.parse_args()
 
 # A second run of the README's command starts a new run in a new folder: the example's first
-# half refuses a checkpoint_dir that already holds another run's checkpoints.
+# half refuses a checkpoint_dir that already holds another run's checkpoints (the trainer's
+# own test, list_checkpoints, decides here too).
+from comlrl.checkpoint import list_checkpoints
+
+
+def holds_a_run(folder):
+    return bool(list_checkpoints(folder / "checkpoints" / "resume-demo"))
+
+
 if cli.output_dir is None:
     out, n = Path("runs/resume-demo"), 1
-    while any((out / "checkpoints" / "resume-demo").glob("checkpoint-*")):
+    while holds_a_run(out):
         n += 1
         out = Path(f"runs/resume-demo-{n}")
 else:
     out = Path(cli.output_dir)
-    if any((out / "checkpoints" / "resume-demo").glob("checkpoint-*")):
+    if holds_a_run(out):
         parser.error(f"--output-dir {out} already holds a run's checkpoints; pass a new folder "
                      f"or remove {out / 'checkpoints'}")
 out = out.resolve()
