@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from comlrl.rollout import StepTimer, run_episode_batch
+from comlrl.rollout import StepRecord, run_episode_batch
 
 
 def run_evaluation(trainer: Any, session: Any, num_eval_samples: int | None = None) -> dict:
@@ -21,7 +21,7 @@ def run_evaluation(trainer: Any, session: Any, num_eval_samples: int | None = No
     episodes = []
     for start in range(0, n, args.eval_batch_size):
         idx = list(range(start, min(start + args.eval_batch_size, n)))
-        episodes += run_episode_batch(trainer, session, 0, idx, StepTimer(), rows=rows,
+        episodes += run_episode_batch(trainer, session, 0, idx, StepRecord(), rows=rows,
                                       seed_tag=("eval", trainer.env_step), num_generations=1,
                                       evaluation=True)
     turns = args.num_turns

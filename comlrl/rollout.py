@@ -16,8 +16,8 @@ from comlrl import magrpo
 
 
 @dataclass
-class StepTimer:
-    """Seconds and token counts of one training step, for the step's log line."""
+class StepRecord:
+    """What one training step measured (seconds, tokens, versions, learner results), for its log line."""
 
     generation: float = 0.0
     learning: float = 0.0
@@ -91,7 +91,7 @@ def format_prompt(trainer: Any, agent: int, row: dict, external: str | None) -> 
 
 
 def run_episode_batch(trainer: Any, session: Any, epoch: int, row_indices: list[int],
-                      timer: StepTimer, *, seed_tag: Any = "train",
+                      record: StepRecord, *, seed_tag: Any = "train",
                       num_generations: int | None = None, rows: list[dict] | None = None,
                       evaluation: bool = False) -> list[Episode]:
     """Roll out the prompts `row_indices` of the dataset: trees, rewards, returns, env_steps.
@@ -120,7 +120,7 @@ def run_episode_batch(trainer: Any, session: Any, epoch: int, row_indices: list[
                 node.prompt_ids.append(_encode(trainer.tokenizers[a], node.prompts[a]))
                 seed = magrpo.derive_seed(args.seed, seed_tag, epoch, ep.row_index, node.path, a)
                 requests[a].append({"prompt_ids": node.prompt_ids[a], "n": k, "seed": seed})
-        outputs = session.generate(requests, timer)
+        outputs = session.generate(requests, record)
         next_frontier = []
         for f_i, (ep, node) in enumerate(frontier):
             for a in range(n_agents):

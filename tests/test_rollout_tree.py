@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from comlrl.config import MAGRPOConfig
-from comlrl.rollout import StepTimer, run_episode_batch
+from comlrl.rollout import StepRecord, run_episode_batch
 
 
 class FakeTokenizer:
@@ -30,7 +30,7 @@ class FakeSession:
     def __init__(self):
         self.calls = []
 
-    def generate(self, requests_per_agent, timer):
+    def generate(self, requests_per_agent, record):
         self.calls.append([len(r) for r in requests_per_agent])
         return [[[{"token_ids": [a + 1] * (k + 1) + [0], "logprobs": []} for k in range(r["n"])]
                  for r in reqs] for a, reqs in enumerate(requests_per_agent)]
@@ -64,7 +64,7 @@ def test_two_turn_tree_returns_env_steps_and_histories(discount):
     trainer = make_trainer(sum_len_reward, transition, num_turns=2, discount=discount,
                            early_termination_threshold=None)
     session = FakeSession()
-    eps = run_episode_batch(trainer, session, 0, [0, 1], StepTimer())
+    eps = run_episode_batch(trainer, session, 0, [0, 1], StepRecord())
     # One engine round per turn: 2 roots, then 2 x 2 children, for each agent.
     assert session.calls == [[2, 2], [4, 4]]
     # Agent a's completion k decodes to k+1 copies of chr(97 + a): 'a'/'aa', 'b'/'bb'.
@@ -90,12 +90,12 @@ def test_two_turn_tree_returns_env_steps_and_histories(discount):
 def test_early_termination_stops_a_branch_whose_mean_reward_exceeds_the_threshold():
     trainer = make_trainer(sum_len_reward, lambda **kw: ["x", "y"], num_turns=3,
                            early_termination_threshold=2.5)
-    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepTimer())
+    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepRecord())
     # Root mean reward 3.0 > 2.5: not expanded; env_step counts the root only.
     assert len(eps[0].nodes) == 1 and trainer.env_step == 2
     trainer = make_trainer(sum_len_reward, lambda **kw: ["x", "y"], num_turns=3,
                            early_termination_threshold=3.0)
-    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepTimer())
+    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepRecord())
     # 3.0 does not exceed 3.0: expanded to depth 3 -> 1 + 2 + 4 nodes, 14 joint rewards.
     assert len(eps[0].nodes) == 7 and trainer.env_step == 14
 
@@ -108,7 +108,7 @@ def test_cross_mode_calls_reward_once_with_k_to_the_n_joint_actions():
         return [float(len(a) * 10 + len(b)) for a, b in zip(c1, c2)]
 
     trainer = make_trainer(reward, num_turns=1, joint_mode="cross")
-    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepTimer())
+    eps = run_episode_batch(trainer, FakeSession(), 0, [0], StepRecord())
     assert seen == [(["a", "a", "aa", "aa"], ["b", "bb", "b", "bb"])]
     assert trainer.env_step == 4
     groups = eps[0].learner_groups(0, trainer.args)

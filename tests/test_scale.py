@@ -267,11 +267,11 @@ def test_two_workers_per_agent_and_killed_workers_log_the_same_values(
     def wrap(session):
         generate, push = session.generate, session.push_weights
 
-        def generate_then_kill(requests, timer):
+        def generate_then_kill(requests, record):
             calls["generate"] += 1
             if calls["generate"] == 2:     # mid-generation: the call below is in flight
                 threading.Timer(0.2, kill, (pid_of(session.workers[0][1]),)).start()
-            return generate(requests, timer)
+            return generate(requests, record)
 
         def kill_then_push():
             calls["push"] += 1

@@ -23,7 +23,7 @@ from comlrl.checkpoint import (
     read_journal, verify_checksums,
 )
 from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
-from comlrl.rollout import Episode, StepTimer, run_episode_batch
+from comlrl.rollout import Episode, StepRecord, run_episode_batch
 
 
 class MAGRPOTrainer:
@@ -113,23 +113,23 @@ class MAGRPOTrainer:
         for epoch in range(s.epoch, total_epochs):
             for start in range(0, len(rows), chunk):
                 batch = list(range(start, min(start + chunk, len(rows))))
-                timer = StepTimer()
-                episodes = run_episode_batch(self, s, epoch, batch, timer)
+                record = StepRecord()
+                episodes = run_episode_batch(self, s, epoch, batch, record)
                 # Evaluations due inside this chunk see the same (pre-update) weights as their
                 # prompt would; each logs at the env_step its prompt started at.
                 for ep in episodes[1:]:
                     if self._eval_due(ep.row_index):
                         s.log(self._evaluate_now(s), ep.env_step_before)
-                s.update_and_push(episodes, timer)
+                s.update_and_push(episodes, record)
                 # The evaluation before the next chunk's first prompt runs now, with the new
                 # weights, and shares this step's log line (the same env_step).
                 upcoming = start + chunk if start + chunk < len(rows) else 0
                 extra = self._evaluate_now(s) if self._eval_due(upcoming) else {}
-                s.log_step(episodes, timer, extra)
+                s.log_step(episodes, record, extra)
                 bar.update(len(batch))
                 bar.set_postfix(env_step=self.env_step,
                                 reward=f"{episodes[0].turn_means()[0][0]:.3f}",
-                                tok_s=f"{timer.tokens / max(timer.generation, 1e-9):.0f}")
+                                tok_s=f"{record.tokens / max(record.generation, 1e-9):.0f}")
             s.epoch = epoch + 1
             if checkpoint_dir and (s.epoch % interval == 0 or s.epoch == total_epochs):
                 s.save_checkpoint()
@@ -486,7 +486,7 @@ class _Session:
 
     # ---- generation (used by comlrl.rollout)
 
-    def generate(self, requests_per_agent: list[list[dict]], timer: StepTimer) -> list[list]:
+    def generate(self, requests_per_agent: list[list[dict]], record: StepRecord) -> list[list]:
         """Every agent's requests in one round: split across that agent's workers, all at once.
 
         A worker that dies meanwhile is restarted with the current weights and given its part
@@ -515,17 +515,17 @@ class _Session:
                         raise
                     self._restart_worker(a, w_i, exc)
                     ref = self.workers[a][w_i].generate.remote(part)
-        timer.generation += time.perf_counter() - start
+        record.generation += time.perf_counter() - start
         outputs: list[list] = [[] for _ in requests_per_agent]
         for (a, _, _), res in zip(parts, results):
             outputs[a].extend(res["outputs"])
-            timer.tokens += res["tokens"]
-            timer.rollout_versions[a] = res["version"]
+            record.tokens += res["tokens"]
+            record.rollout_versions[a] = res["version"]
         return outputs
 
     # ---- learning and weight push
 
-    def update_and_push(self, episodes: list[Episode], timer: StepTimer) -> None:
+    def update_and_push(self, episodes: list[Episode], record: StepRecord) -> None:
         from workers.launch import ray_get
 
         t, args = self.t, self.t.args
@@ -537,12 +537,12 @@ class _Session:
             seed = magrpo.derive_seed(args.seed, "shuffle", self.update_index, a)
             refs.append(learner.update.remote(groups, seed))
         start = time.perf_counter()
-        timer.learner = ray_get(refs, "learners updating")
-        timer.learning = time.perf_counter() - start
+        record.learner = ray_get(refs, "learners updating")
+        record.learning = time.perf_counter() - start
         self.update_index += 1
         start = time.perf_counter()
         self.push_weights()
-        timer.weight_sync = time.perf_counter() - start
+        record.weight_sync = time.perf_counter() - start
 
     def push_weights(self) -> None:
         """Every learner's current weights to each of its agent's engines, through the
@@ -675,7 +675,7 @@ class _Session:
         if metrics and self.wandb is not None and self.wandb.log(metrics, step):
             self.pending_metrics = {}
 
-    def log_step(self, episodes: list[Episode], timer: StepTimer, extra: dict) -> None:
+    def log_step(self, episodes: list[Episode], record: StepRecord, extra: dict) -> None:
         """The step's training metrics (every `logging_steps` env_steps) plus `extra`."""
         t, args = self.t, self.t.args
         step = t.env_step
@@ -688,20 +688,20 @@ class _Session:
             if n:
                 metrics[f"turn_{turn + 1}/reward_mean"] = reward_mean
                 metrics[f"turn_{turn + 1}/expected_return"] = expected_return
-        kls = [res["reference_kl"] for res in timer.learner if "reference_kl" in res]
+        kls = [res["reference_kl"] for res in record.learner if "reference_kl" in res]
         for turn in sorted({t for k in kls for t in k}):
             mean = sum(k[turn] for k in kls if turn in k) / sum(1 for k in kls if turn in k)
             metrics[f"turn_{turn + 1}/reference_kl_mean"] = mean
             metrics[f"turn_{turn + 1}/reference_kl_penalty_mean"] = args.reference_kl_coef * mean
-        for a, res in enumerate(timer.learner):
+        for a, res in enumerate(record.learner):
             lengths = [len(c) for ep in episodes for node in ep.nodes for c in node.token_ids[a]]
             metrics[f"agent_{a}/loss"] = res["loss"]
             metrics[f"agent_{a}/completion_length"] = sum(lengths) / max(len(lengths), 1)
-            metrics[f"agent_{a}/policy_version"] = timer.rollout_versions.get(a, 0)
-        metrics["timing/generation_s"] = timer.generation
-        metrics["timing/learning_s"] = timer.learning
-        metrics["timing/weight_sync_s"] = timer.weight_sync
-        metrics["throughput/generation_tokens_per_s"] = timer.tokens / max(timer.generation, 1e-9)
+            metrics[f"agent_{a}/policy_version"] = record.rollout_versions.get(a, 0)
+        metrics["timing/generation_s"] = record.generation
+        metrics["timing/learning_s"] = record.learning
+        metrics["timing/weight_sync_s"] = record.weight_sync
+        metrics["throughput/generation_tokens_per_s"] = record.tokens / max(record.generation, 1e-9)
         metrics["train/epoch"] = self.epoch + 1
         self.log(metrics, step)
 
