@@ -2,46 +2,66 @@
 
 A plain class; `workers.launch` wraps it in `ray.remote`. Learners write their agent folders
 into the staging folder it hands out; `commit` then checksums, fsyncs and renames in the
-background while the driver goes on training.
+background while the driver goes on training. Every folder it creates carries the marker of
+its run (`run_uid`), and it deletes or prunes only folders with that marker.
 """
 
 from __future__ import annotations
 
-import io
-import os
-import shutil
-import time
 from pathlib import Path
+from typing import Any, Callable
 
-from comlrl.checkpoint import clean_leftovers, commit_checkpoint, staging_path
+from comlrl.checkpoint import (
+    abort_checkpoint, begin_staging, check_free_space, clean_leftovers, commit_checkpoint,
+    staging_path,
+)
 
 
 class Checkpointer:
-    def __init__(self, checkpoint_dir: str, total_limit: int | None = None):
+    """`before_publish(staging_path)`, a test hook, runs once a staged checkpoint is complete
+    (metadata.json written and fsynced) and just before it is renamed to checkpoint-N, e.g.
+    to hold it there while a test kills the run. Production code passes None."""
+
+    def __init__(self, checkpoint_dir: str, total_limit: int | None = None,
+                 run_uid: str | None = None,
+                 before_publish: Callable[[Path], Any] | None = None):
+        if not run_uid:
+            raise ValueError("Checkpointer needs the run's run_uid: it marks every folder it "
+                             "writes with it and deletes nothing without that mark.")
         self.checkpoint_dir = Path(checkpoint_dir)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.total_limit = total_limit
+        self.run_uid = run_uid
+        self.before_publish = before_publish
 
-    def clean(self) -> list[str]:
-        """Remove staging folders left by a crash."""
-        return clean_leftovers(self.checkpoint_dir)
+    def clean(self, fresh_start: bool = False) -> list[str]:
+        """Restore a checkpoint a crash left only in `.trash-`, then remove leftovers: this
+        run's, or (`fresh_start`, after check_checkpoint_dir accepted the folder) those of
+        any comlrl-split run. Returns the removed names."""
+        return clean_leftovers(self.checkpoint_dir, None if fresh_start else self.run_uid)
 
     def begin(self, epoch: int) -> str:
-        """A fresh, empty staging folder for checkpoint-`epoch`."""
-        staging = staging_path(self.checkpoint_dir, epoch)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        return str(staging)
+        """A fresh, empty staging folder for checkpoint-`epoch`, marked as this run's."""
+        return str(begin_staging(self.checkpoint_dir, epoch, self.run_uid))
 
-    def commit(self, epoch: int, metadata: dict, driver_state: dict) -> str:
-        """Write the driver state and metadata, then publish the staged folder as checkpoint-N."""
-        import torch
-
+    def commit(self, epoch: int, metadata: dict) -> str:
+        """Publish the staged folder as checkpoint-`epoch` with `metadata` (prunes this run's
+        older checkpoints past total_limit). A write failure (e.g. a full disk) removes the
+        staging folder and raises CheckpointWriteError, naming checkpoint_dir and the bytes
+        needed; earlier checkpoints stay intact."""
         staging = staging_path(self.checkpoint_dir, epoch)
-        buf = io.BytesIO()
-        torch.save(driver_state, buf)
-        (staging / "driver_state.pt").write_bytes(buf.getvalue())
-        # Fault-injection knob for tests: hold the checkpoint in staging for this long, so a
-        # kill can land while it is half written.
-        time.sleep(float(os.environ.get("COMLRL_CHECKPOINT_PAUSE_S", "0")))
-        return str(commit_checkpoint(staging, metadata, self.total_limit))
+        metadata = {**metadata, "run_uid": metadata.get("run_uid") or self.run_uid}
+        try:
+            final = commit_checkpoint(staging, metadata, self.total_limit, self.before_publish)
+        except (OSError, RuntimeError) as exc:
+            self.abort(epoch, f"{type(exc).__name__}: {exc}")
+        return str(final)
+
+    def abort(self, epoch: int, error_text: str) -> None:
+        """After a failed write of checkpoint-`epoch` (a learner's `save` or `commit`): remove
+        this run's staging folder and raise CheckpointWriteError explaining the failure."""
+        raise abort_checkpoint(self.checkpoint_dir, epoch, error_text, self.run_uid)
+
+    def free_space_warning(self) -> str | None:
+        """A warning text when the disk has less free space than the newest checkpoint."""
+        return check_free_space(self.checkpoint_dir)

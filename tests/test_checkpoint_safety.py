@@ -1,0 +1,607 @@
+"""Checkpoint folders we provably own, crash-safe commits, full disks, callable fingerprints.
+
+Everything here runs on real folders with real safetensors/torch files, through the real
+Checkpointer class (without Ray: `workers.launch` only wraps it in `ray.remote`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+
+from comlrl import checkpoint as ck
+from comlrl.checkpoint import (
+    CheckpointError, CheckpointWriteError, check_checkpoint_dir, check_free_space,
+    clean_leftovers, compare_fingerprints, fingerprint_callable, list_checkpoints,
+    read_checkpoint_metadata, verify_checksums,
+)
+from workers.checkpointer import Checkpointer
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_A, RUN_B = "run-a-0001", "run-b-0002"
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _save_agent(folder: Path, n_floats: int, seed: int = 0) -> None:
+    """What a learner's `save` writes: safetensors weights, a torch optimizer file, a config."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"w": torch.randn(n_floats, generator=g)}, str(folder / "model.safetensors"))
+    torch.save({"state": {0: {"exp_avg": torch.randn(n_floats // 4, generator=g)}}},
+               folder / "optimizer.pt")
+    (folder / "config.json").write_text(json.dumps({"n": n_floats}))
+
+
+def _write(cp: Checkpointer, epoch: int, n_floats: int = 1000, seed: int = 0) -> Path:
+    staging = Path(cp.begin(epoch))
+    _save_agent(staging / "agent_0", n_floats, seed)
+    meta = {"env_step": epoch * 4, "epoch": epoch, "run_uid": cp.run_uid}
+    return Path(cp.commit(epoch, meta))
+
+
+def _hf_checkpoint(d: Path, n: int = 500) -> Path:
+    """A Hugging Face Trainer checkpoint sharing the folder: not ours."""
+    p = d / f"checkpoint-{n}"
+    _save_agent(p, 256)
+    (p / "trainer_state.json").write_text(json.dumps({"global_step": n}))
+    return p
+
+
+def _tree(d: Path) -> dict[str, str]:
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ A. ownership
+
+
+def test_fresh_start_refuses_a_folder_with_user_files_and_cleanup_never_touches_them(tmp_path):
+    d = tmp_path / "ckpt"
+    (d / ".staging-paper").mkdir(parents=True)
+    (d / ".staging-paper" / "draft.tex").write_text("\\section{Intro}")
+    (d / ".trash-photos").mkdir()
+    (d / ".trash-photos" / "cat.jpg").write_bytes(b"\xff\xd8jpeg")
+    before = _tree(d)
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint_dir(d, None)
+    msg = str(err.value)
+    assert f"checkpoint_dir {d}" in msg and ".staging-paper/" in msg and "empty" in msg
+    assert clean_leftovers(d, None) == [] and clean_leftovers(d, RUN_A) == []
+    Checkpointer(str(d), 1, RUN_A).clean(fresh_start=True)
+    assert _tree(d) == before
+
+
+def test_fresh_start_accepts_missing_empty_and_comlrl_leftovers_only(tmp_path):
+    check_checkpoint_dir(tmp_path / "missing", None)
+    (tmp_path / "empty").mkdir()
+    check_checkpoint_dir(tmp_path / "empty", None)
+    # A crash of an earlier run before its first checkpoint: its staging folder and journal.
+    d = tmp_path / "ckpt"
+    old = Checkpointer(str(d), None, RUN_B)
+    _save_agent(Path(old.begin(1)) / "agent_0", 100)
+    ck.write_journal(d, "wandb-id", 3)
+    check_checkpoint_dir(d, None)
+    removed = Checkpointer(str(d), None, RUN_A).clean(fresh_start=True)
+    assert removed == [".staging-checkpoint-1"]
+    assert sorted(p.name for p in d.iterdir()) == [ck.JOURNAL]
+
+
+@pytest.mark.parametrize("thing", ["checkpoint", "wandb", "file"])
+def test_fresh_start_refuses_checkpoints_wandb_and_other_files(tmp_path, thing):
+    d = tmp_path / "ckpt"
+    if thing == "checkpoint":
+        _write(Checkpointer(str(d), None, RUN_B), 1)
+    elif thing == "wandb":
+        (d / "wandb" / "offline-run-x").mkdir(parents=True)
+    else:
+        d.mkdir()
+        (d / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint_dir(d, None)
+    msg = str(err.value)
+    assert str(d) in msg
+    if thing == "checkpoint":
+        assert RUN_B in msg and f"resume_from_checkpoint={d / 'checkpoint-1'}" in msg
+    else:
+        assert ("wandb/" if thing == "wandb" else "notes.txt") in msg
+
+
+def test_foreign_checkpoint_n_is_refused_unlisted_and_never_pruned(tmp_path):
+    d = tmp_path / "ckpt"
+    cp = Checkpointer(str(d), 1, RUN_A)
+    _write(cp, 1)
+    hf = _hf_checkpoint(d, 500)
+    hf_files = _tree(hf)
+    assert [p.name for p in list_checkpoints(d)] == ["checkpoint-1"]
+    meta = read_checkpoint_metadata(d / "checkpoint-1")
+    for resume_meta in (None, meta):
+        with pytest.raises(CheckpointError, match="checkpoint-500") as err:
+            check_checkpoint_dir(d, resume_meta)
+        assert str(d) in str(err.value)
+    # Pruning (limit 1) removes only this run's older checkpoint, never the foreign one,
+    # even though its number is the highest.
+    _write(cp, 2)
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoint-2", "checkpoint-500"]
+    assert _tree(hf) == hf_files
+
+
+def test_unreadable_foreign_folder_is_refused_not_skipped(tmp_path):
+    d = tmp_path / "ckpt"
+    _write(Checkpointer(str(d), None, RUN_A), 1)
+    bad = d / "checkpoint-7"
+    bad.mkdir()
+    (bad / "metadata.json").write_text("{not json")
+    meta = read_checkpoint_metadata(d / "checkpoint-1")
+    with pytest.raises(CheckpointError, match="checkpoint-7"):
+        check_checkpoint_dir(d, meta)
+
+
+def test_resume_refuses_checkpoints_and_leftovers_of_another_run(tmp_path):
+    d = tmp_path / "ckpt"
+    _write(Checkpointer(str(d), None, RUN_A), 1)
+    meta = read_checkpoint_metadata(d / "checkpoint-1")
+    check_checkpoint_dir(d, meta)  # only this run's: fine
+    (d / "notes.txt").write_text("tolerated next to this run's checkpoints")
+    check_checkpoint_dir(d, meta)
+    Checkpointer(str(d), None, RUN_B).begin(3)  # another run's leftover
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint_dir(d, meta)
+    assert RUN_B in str(err.value) and RUN_A in str(err.value) and str(d) in str(err.value)
+    # ...and another run's whole checkpoint.
+    (d / ".staging-checkpoint-3").rename(tmp_path / "moved")
+    _write(Checkpointer(str(d), None, RUN_B), 2)
+    with pytest.raises(CheckpointError, match="checkpoint-2 \\(run run-b"):
+        check_checkpoint_dir(d, meta)
+
+
+def test_resume_into_a_folder_without_this_run_applies_the_fresh_rules(tmp_path):
+    src = tmp_path / "src"
+    _write(Checkpointer(str(src), None, RUN_A), 1)
+    meta = read_checkpoint_metadata(src / "checkpoint-1")
+    d = tmp_path / "home"
+    d.mkdir()
+    (d / "thesis.pdf").write_bytes(b"%PDF")
+    with pytest.raises(CheckpointError, match="thesis.pdf"):
+        check_checkpoint_dir(d, meta)
+
+
+def test_pruning_and_cleanup_touch_only_this_runs_folders(tmp_path):
+    d = tmp_path / "ckpt"
+    a = Checkpointer(str(d), None, RUN_A)
+    for e in (1, 2):
+        _write(a, e)
+    b = Checkpointer(str(d), 1, RUN_B)
+    Path(b.begin(9))  # B's staging leftover
+    _write(b, 3)
+    _write(b, 4)  # prunes B's checkpoint-3 only
+    names = sorted(p.name for p in d.iterdir())
+    assert names == [".staging-checkpoint-9", "checkpoint-1", "checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in list_checkpoints(d, RUN_A)] == ["checkpoint-1", "checkpoint-2"]
+    assert clean_leftovers(d, RUN_A) == []
+    assert clean_leftovers(d, RUN_B) == [".staging-checkpoint-9"]
+    assert ck.prune_checkpoints(d, RUN_A, 1) == ["checkpoint-1"]
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_begin_refuses_a_staging_name_held_by_something_not_ours(tmp_path):
+    d = tmp_path / "ckpt"
+    (d / ".staging-checkpoint-1").mkdir(parents=True)
+    (d / ".staging-checkpoint-1" / "keep.txt").write_text("user")
+    with pytest.raises(CheckpointError, match="not this run's"):
+        Checkpointer(str(d), None, RUN_A).begin(1)
+    assert (d / ".staging-checkpoint-1" / "keep.txt").read_text() == "user"
+
+
+def test_checkpoints_carry_the_marker_and_keep_the_metadata_fields(tmp_path):
+    d = tmp_path / "ckpt"
+    final = _write(Checkpointer(str(d), None, RUN_A), 1)
+    assert ck.read_owner(final) == RUN_A
+    marker = json.loads((final / ck.MARKER).read_text())
+    assert marker == {"format": ck.FORMAT, "run_uid": RUN_A}
+    meta = read_checkpoint_metadata(final)
+    assert meta["format"] == ck.FORMAT and meta["format_version"] == ck.FORMAT_VERSION
+    assert meta["run_uid"] == RUN_A and meta["env_step"] == 4 and meta["epoch"] == 1
+    assert set(meta["files"]) == {"agent_0/model.safetensors", "agent_0/optimizer.pt",
+                                  "agent_0/config.json"}
+    verify_checksums(final)
+    assert not (final / "driver_state.pt").exists()
+
+
+def test_legacy_checkpoint_without_marker_is_ours_by_metadata(tmp_path):
+    d = tmp_path / "ckpt"
+    cp = Checkpointer(str(d), 1, RUN_A)
+    first = _write(cp, 1)
+    (first / ck.MARKER).unlink()  # as written before markers existed
+    assert list_checkpoints(d, RUN_A) == [first] and ck.read_owner(first) == RUN_A
+    check_checkpoint_dir(d, read_checkpoint_metadata(first))
+    _write(cp, 2)
+    assert [p.name for p in d.iterdir()] == ["checkpoint-2"]
+
+
+# ------------------------------------------------------------------ A. crashes mid-commit
+
+
+def test_crash_between_the_two_renames_restores_the_only_whole_copy(tmp_path):
+    d = tmp_path / "ckpt"
+    cp = Checkpointer(str(d), None, RUN_A)
+    _write(cp, 1)
+    _write(cp, 2, seed=1)
+    old = _tree(d / "checkpoint-2")
+    # Re-doing epoch 2; the process dies after checkpoint-2 -> .trash-checkpoint-2 and before
+    # .staging-checkpoint-2 -> checkpoint-2 (a real kill in a child process).
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+from pathlib import Path
+from tests.test_checkpoint_safety import _save_agent
+from workers.checkpointer import Checkpointer
+real = os.replace
+def replace(src, dst):
+    real(src, dst)
+    if Path(src).name == "checkpoint-2":
+        os._exit(9)
+os.replace = replace
+cp = Checkpointer({str(d)!r}, None, {RUN_A!r})
+_save_agent(Path(cp.begin(2)) / "agent_0", 1000, 7)
+cp.commit(2, {{"epoch": 2, "run_uid": {RUN_A!r}}})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert sorted(p.name for p in d.iterdir()) == [
+        ".staging-checkpoint-2", ".trash-checkpoint-2", "checkpoint-1"]
+    assert list_checkpoints(d) == [d / "checkpoint-1"]
+    # The next start (check, then clean) restores it instead of deleting it.
+    check_checkpoint_dir(d, read_checkpoint_metadata(d / "checkpoint-1"))
+    assert cp.clean() == [".staging-checkpoint-2"]
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert _tree(d / "checkpoint-2") == old
+    verify_checksums(d / "checkpoint-2")
+
+
+def test_half_deleted_folders_stay_ours_and_are_cleaned(tmp_path):
+    d = tmp_path / "ckpt"
+    cp = Checkpointer(str(d), None, RUN_A)
+    for e in (1, 2, 3):
+        _write(cp, e)
+    # A prune interrupted after metadata.json went: still marked, no longer listed, cleaned.
+    (d / "checkpoint-1" / ck.METADATA).unlink()
+    (d / "checkpoint-1" / "agent_0" / "optimizer.pt").unlink()
+    # A trash copy whose deletion had begun is not whole: removed, not restored.
+    os.replace(d / "checkpoint-3", d / ".trash-checkpoint-3")
+    (d / ".trash-checkpoint-3" / ck.METADATA).unlink()
+    assert [p.name for p in list_checkpoints(d)] == ["checkpoint-2"]
+    check_checkpoint_dir(d, read_checkpoint_metadata(d / "checkpoint-2"))
+    assert sorted(cp.clean()) == [".trash-checkpoint-3", "checkpoint-1"]
+    assert [p.name for p in d.iterdir()] == ["checkpoint-2"]
+
+
+def test_kill_in_before_publish_keeps_earlier_checkpoints(tmp_path):
+    """The hook that replaces COMLRL_CHECKPOINT_PAUSE_S: the staged folder is complete when it
+    runs; a kill there leaves checkpoint-1 whole and a staging folder the next start cleans."""
+    d = tmp_path / "ckpt"
+    cp = Checkpointer(str(d), None, RUN_A)
+    _write(cp, 1)
+    seen = {}
+
+    def hook(staging: Path) -> None:
+        seen["meta"] = (staging / ck.METADATA).is_file()
+        seen["published"] = (d / "checkpoint-2").exists()
+
+    _write(Checkpointer(str(d), None, RUN_A, before_publish=hook), 2)
+    assert seen == {"meta": True, "published": False}
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+from pathlib import Path
+from tests.test_checkpoint_safety import _save_agent
+from workers.checkpointer import Checkpointer
+cp = Checkpointer({str(d)!r}, None, {RUN_A!r}, before_publish=lambda staging: os._exit(9))
+_save_agent(Path(cp.begin(3)) / "agent_0", 1000, 3)
+cp.commit(3, {{"epoch": 3, "run_uid": {RUN_A!r}}})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(d)] == ["checkpoint-1", "checkpoint-2"]
+    assert (d / ".staging-checkpoint-3" / ck.METADATA).is_file()
+    assert cp.clean() == [".staging-checkpoint-3"]
+    for name in ("checkpoint-1", "checkpoint-2"):
+        verify_checksums(d / name)
+
+
+def test_commit_takes_no_driver_state_and_production_reads_no_pause_variable():
+    params = list(inspect.signature(Checkpointer.commit).parameters)
+    assert params == ["self", "epoch", "metadata"]
+    for f in (ROOT / "workers" / "checkpointer.py", ROOT / "comlrl" / "checkpoint.py"):
+        text = f.read_text()
+        assert "COMLRL_CHECKPOINT_PAUSE_S" not in text and "os.environ" not in text
+
+
+# ------------------------------------------------------------------ C. full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (needs root and mount rights)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        import gc
+
+        gc.collect()  # a failed torch.save may still hold its file open
+        if subprocess.run(["umount", str(mnt)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(path: Path) -> None:
+    """Write until the disk is full."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (1 << 16, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
+
+
+def test_learner_save_on_a_full_disk_gives_a_clear_error_and_keeps_earlier(small_disk):
+    d = small_disk / "ckpt"
+    cp = Checkpointer(str(d), None, RUN_A)
+    _write(cp, 1, n_floats=100_000)  # about 0.5 MB
+    size1 = ck.checkpoint_size(d / "checkpoint-1")
+    staging = Path(cp.begin(2))
+    with pytest.raises(Exception) as failure:  # what safetensors/torch raise inside save
+        _save_agent(staging / "agent_0", 400_000)
+    assert ck.is_disk_full(failure.value)
+    with pytest.raises(CheckpointWriteError) as err:
+        cp.abort(2, f"{type(failure.value).__name__}: {failure.value}")
+    msg = str(err.value)
+    assert f"checkpoint_dir {d}" in msg and "ran out of disk space" in msg
+    assert f"about {size1} bytes" in msg and "checkpoint-1" in msg
+    assert not staging.exists()
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoint-1"]
+    verify_checksums(d / "checkpoint-1")
+
+
+def test_torch_save_on_a_full_disk_is_recognised(small_disk):
+    import torch
+
+    _fill(small_disk / "filler")
+    with pytest.raises(Exception) as failure:
+        torch.save({"w": torch.zeros(100_000)}, small_disk / "optimizer.pt")
+    assert ck.is_disk_full(f"{type(failure.value).__name__}: {failure.value}") or \
+        ck.is_disk_full(failure.value)
+
+
+def test_commit_on_a_full_disk_removes_staging_and_keeps_earlier(small_disk):
+    d = small_disk / "ckpt"
+    cp = Checkpointer(str(d), None, RUN_A)
+    _write(cp, 1, n_floats=100_000)
+    staging = Path(cp.begin(2))
+    _save_agent(staging / "agent_0", 100_000, seed=2)
+    _fill(small_disk / "filler")  # metadata.json no longer fits
+    with pytest.raises(CheckpointWriteError) as err:
+        cp.commit(2, {"epoch": 2, "run_uid": RUN_A})
+    msg = str(err.value)
+    assert f"checkpoint_dir {d}" in msg and "bytes" in msg and "ran out of disk space" in msg
+    assert not staging.exists() and not (d / "checkpoint-2").exists()
+    verify_checksums(d / "checkpoint-1")
+
+
+def test_check_free_space_warns_below_the_newest_checkpoint_size(small_disk):
+    d = small_disk / "ckpt"
+    assert check_free_space(d) is None
+    cp = Checkpointer(str(d), None, RUN_A)
+    _write(cp, 1, n_floats=100_000)
+    assert check_free_space(d) is None  # ~1.4 MB free, checkpoint ~0.5 MB
+    _fill(small_disk / "filler")
+    text = check_free_space(d)
+    assert text is not None and str(d) in text and "checkpoint-1" in text
+    assert str(ck.checkpoint_size(d / "checkpoint-1")) in text
+    assert cp.free_space_warning() == text
+
+
+def test_abort_for_another_failure_says_what_failed(tmp_path):
+    d = tmp_path / "ckpt"
+    cp = Checkpointer(str(d), None, RUN_A)
+    _write(cp, 1)
+    staging = Path(cp.begin(2))
+    (staging / "agent_0").mkdir()
+    with pytest.raises(CheckpointWriteError) as err:
+        cp.abort(2, "ValueError: learner 1 has no model")
+    msg = str(err.value)
+    assert "learner 1 has no model" in msg and str(d) in msg and "disk space" not in msg
+    assert not staging.exists() and (d / "checkpoint-1").is_dir()
+
+
+# ------------------------------------------------------------------ B. fingerprints
+
+TARGET = 2
+SCALE = (1.5, "x")
+
+
+def reward(completions1, completions2, target=1):
+    return [float(len(a) - len(b) == target) for a, b in zip(completions1, completions2)]
+
+
+def reward_reading_globals(completions1, completions2):
+    return [TARGET * SCALE[0] for _ in completions1]
+
+
+def make_closure(k):
+    def scaled(completions1, completions2):
+        return [k * len(a) for a in completions1]
+    return scaled
+
+
+class RewardModel:
+    def __init__(self, weight, table=None):
+        self.weight = weight
+        self.table = table or {"a": [1, 2], "b": (3.0, None)}
+
+    def __call__(self, completions1, completions2):
+        return [self.weight for _ in completions1]
+
+    def score(self, completions1, completions2):
+        return self(completions1, completions2)
+
+
+class TensorReward:
+    def __init__(self, scale):
+        import torch
+
+        self.w = torch.full((4,), float(scale))
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def __call__(self, completions1, completions2):
+        return [float(self.w.sum())] * len(completions1)
+
+
+class LockedReward:
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __call__(self, completions1, completions2):
+        return [0.0] * len(completions1)
+
+
+def cross_process_callables():
+    """Built the same way in this process and in a fresh one."""
+    return {"partial": functools.partial(reward, target=2),
+            "closure": make_closure(3),
+            "object": RewardModel(0.5),
+            "method": RewardModel(0.25).score,
+            "tensor_object": TensorReward(2),
+            "plain": reward,
+            "globals": reward_reading_globals}
+
+
+def test_partial_fingerprint_covers_args_and_keywords():
+    a = fingerprint_callable(functools.partial(reward, target=2))
+    assert a == fingerprint_callable(functools.partial(reward, target=2))
+    assert a != fingerprint_callable(functools.partial(reward, target=3))
+    assert a != fingerprint_callable(functools.partial(reward, ["x"], target=2))
+    assert a.startswith("partial:tests.test_checkpoint_safety.reward:")
+
+
+def test_closure_fingerprint_covers_cell_values():
+    assert fingerprint_callable(make_closure(3)) == fingerprint_callable(make_closure(3))
+    assert fingerprint_callable(make_closure(3)) != fingerprint_callable(make_closure(4))
+    assert fingerprint_callable(make_closure("a")) != fingerprint_callable(make_closure("b"))
+
+
+def test_callable_object_and_bound_method_fingerprints_cover_their_state():
+    assert fingerprint_callable(RewardModel(0.5)) == fingerprint_callable(RewardModel(0.5))
+    assert fingerprint_callable(RewardModel(0.5)) != fingerprint_callable(RewardModel(0.6))
+    assert fingerprint_callable(RewardModel(0.5, {"a": [1]})) != \
+        fingerprint_callable(RewardModel(0.5, {"a": [2]}))
+    assert fingerprint_callable(RewardModel(1).score) != fingerprint_callable(RewardModel(2).score)
+    assert fingerprint_callable(TensorReward(2)) == fingerprint_callable(TensorReward(2))
+    assert fingerprint_callable(TensorReward(2)) != fingerprint_callable(TensorReward(3))
+    fp = fingerprint_callable(RewardModel(0.5))
+    assert "0x" not in fp and fp.startswith("tests.test_checkpoint_safety.RewardModel:")
+
+
+def test_plain_function_fingerprint_is_unchanged(monkeypatch):
+    # The formula of earlier versions: name plus the hash of the source.
+    src = inspect.getsource(make_closure)
+    want = f"tests.test_checkpoint_safety.make_closure:{hashlib.sha256(src.encode()).hexdigest()[:16]}"
+    assert fingerprint_callable(make_closure) == want
+    assert fingerprint_callable(None) is None
+    # Simple global constants it reads are covered.
+    before = fingerprint_callable(reward_reading_globals)
+    monkeypatch.setattr(sys.modules[__name__], "TARGET", 5)
+    assert fingerprint_callable(reward_reading_globals) != before
+
+
+def test_fingerprints_are_equal_in_a_fresh_process():
+    here = {k: fingerprint_callable(v) for k, v in cross_process_callables().items()}
+    code = ("import json\nfrom comlrl.checkpoint import fingerprint_callable\n"
+            "from tests.test_checkpoint_safety import cross_process_callables\n"
+            "print(json.dumps({k: fingerprint_callable(v) "
+            "for k, v in cross_process_callables().items()}))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == here
+    assert len(set(here.values())) == len(here)
+
+
+def test_unfingerprintable_state_warns_once_naming_callable_and_setting():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = fingerprint_callable(LockedReward(), "reward_func")
+        b = fingerprint_callable(LockedReward(), "reward_func", warn=False)
+    assert a == b and "0x" not in a
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "reward_func" in text and "LockedReward" in text and "lock" in text
+    assert "MAGRPOConfig(skip_callable_fingerprints=True)" in text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fingerprint_callable(functools.partial(reward, target=2), "reward_func")
+    assert caught == []
+
+
+def test_compare_fingerprints_can_skip_the_callables():
+    saved = {"config": {"lr": 1}, "reward_func": "a", "formatters": ["x"], "dataset": "d"}
+    current = {"config": {"lr": 1}, "reward_func": "b", "formatters": ["y"], "dataset": "d"}
+    with pytest.raises(CheckpointError, match="skip_callable_fingerprints=True"):
+        compare_fingerprints(saved, current, frozenset())
+    compare_fingerprints(saved, current, frozenset(), skip_callables=True)
+    with pytest.raises(CheckpointError, match="dataset"):
+        compare_fingerprints(saved, {**current, "dataset": "e"}, frozenset(), skip_callables=True)
+
+
+def test_closures_over_arrays_tensors_and_tokenizer_like_objects():
+    import numpy as np
+    import torch
+
+    fp = fingerprint_callable
+    assert fp(make_closure(np.array([1, 2]))) == fp(make_closure(np.array([1, 2])))
+    assert fp(make_closure(np.array([1, 2]))) != fp(make_closure(np.array([1, 3])))
+    assert fp(make_closure(torch.ones(3))) != fp(make_closure(torch.ones(3, dtype=torch.float16)))
+    # Large tensors are hashed on a sample (dtype, shape and 2^20 evenly spaced elements).
+    big = torch.zeros(17_000_000)
+    same = fp(make_closure(big))
+    assert fp(make_closure(big.clone())) == same
+    big[0] = 1.0
+    assert fp(make_closure(big)) != same
+
+    class Vocab:
+        eos_token, pad_token, chat_template = "</s>", "<pad>", None
+
+        def __init__(self, words):
+            self.words, self.backend = words, threading.Lock()  # a handle, as in Rust tokenizers
+
+        def get_vocab(self):
+            return {w: i for i, w in enumerate(self.words)}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fp(make_closure(Vocab(["a", "b"]))) != fp(make_closure(Vocab(["a", "c"])))
