@@ -410,8 +410,16 @@ def begin_staging(checkpoint_dir: str | os.PathLike, epoch: int, run_uid: str) -
                 f"checkpoint_dir {staging.parent} holds {staging.name}, which is not this run's "
                 f"(no marker of run {run_uid}); move it away or pick another checkpoint_dir.")
     staging.mkdir(parents=True)
-    write_owner_marker(staging, run_uid)
-    _fsync_dir(staging.parent)
+    try:
+        write_owner_marker(staging, run_uid)
+        _fsync_dir(staging.parent)
+    except OSError:
+        # e.g. a full disk: the folder was made just now and holds nothing but our marker's
+        # temporary file; without a marker no later clean-up would dare remove it.
+        (staging / (MARKER + ".tmp")).unlink(missing_ok=True)
+        (staging / MARKER).unlink(missing_ok=True)
+        staging.rmdir()
+        raise
     return staging
 
 

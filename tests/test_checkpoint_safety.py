@@ -410,6 +410,19 @@ def test_commit_on_a_full_disk_removes_staging_and_keeps_earlier(small_disk):
     verify_checksums(d / "checkpoint-1")
 
 
+def test_begin_on_a_full_disk_leaves_no_unmarked_folder(small_disk):
+    d = small_disk / "ckpt"
+    cp = Checkpointer(str(d), None, RUN_A)
+    _write(cp, 1, n_floats=100_000)
+    _fill(small_disk / "filler")
+    with pytest.raises(CheckpointWriteError, match="ran out of disk space") as err:
+        cp.begin(2)
+    assert str(d) in str(err.value)
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoint-1"]
+    (small_disk / "filler").unlink()
+    check_checkpoint_dir(d, read_checkpoint_metadata(d / "checkpoint-1"))
+
+
 def test_check_free_space_warns_below_the_newest_checkpoint_size(small_disk):
     d = small_disk / "ckpt"
     assert check_free_space(d) is None

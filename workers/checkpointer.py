@@ -41,8 +41,12 @@ class Checkpointer:
         return clean_leftovers(self.checkpoint_dir, None if fresh_start else self.run_uid)
 
     def begin(self, epoch: int) -> str:
-        """A fresh, empty staging folder for checkpoint-`epoch`, marked as this run's."""
-        return str(begin_staging(self.checkpoint_dir, epoch, self.run_uid))
+        """A fresh, empty staging folder for checkpoint-`epoch`, marked as this run's. A
+        failure to create it (e.g. a full disk) raises CheckpointWriteError like `abort`."""
+        try:
+            return str(begin_staging(self.checkpoint_dir, epoch, self.run_uid))
+        except OSError as exc:
+            self.abort(epoch, f"{type(exc).__name__}: {exc}")
 
     def commit(self, epoch: int, metadata: dict) -> str:
         """Publish the staged folder as checkpoint-`epoch` with `metadata` (prunes this run's
