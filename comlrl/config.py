@@ -6,11 +6,20 @@ comlrl ones keep comlrl's wording so code written against comlrl keeps matching 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 JOINT_MODES = ("aligned", "align", "cross", "crossed")
+PARALLEL_TRAINING_MODES = ("none", "mp")
+
+DeviceSpec = Union[str, Sequence[str]]
+
+# Device types torch knows besides cpu/cuda: a learner here runs on 'cpu' or 'cuda' only.
+_OTHER_TORCH_DEVICES = ("ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
+                        "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia",
+                        "privateuseone")
 ROLLOUT_ENGINES = ("vllm", "hf")
 LOSS_AGGREGATIONS = ("sequence", "token_mean")
 
@@ -23,6 +32,9 @@ RESUMABLE_FIELDS = frozenset({
     "tensor_parallel_size", "learner_device", "single_gpu", "enable_sleep_mode", "verbose",
     "eval_interval", "eval_num_samples", "eval_batch_size", "rollout_resources",
     "learner_resources", "weight_transport", "placement_timeout_s",
+    # comlrl's placement fields: where agents and reference copies live, never what they compute.
+    "agent_devices", "parallel_training", "reference_devices",
+    "weight_bucket_bytes", "skip_callable_fingerprints",
 })
 
 
@@ -39,6 +51,20 @@ class MAGRPOConfig:
     """Log a training point when env_step advanced by at least this much since the last one."""
     num_agents: int = 2
     """Number of cooperating agents (used with `agent_model`; `agents=[...]` sets it)."""
+    parallel_training: str = "none"
+    """comlrl's agent scheduling: 'none' (comlrl: agents take turns on one device) or 'mp'
+    (comlrl: one thread per agent, each on its own `agent_devices` entry). Accepted as comlrl
+    accepts it ('null', '' and None mean 'none'; 'mp' needs explicit `agent_devices`). Here every
+    agent always trains in its own learner actor, in parallel, whatever this says; the field
+    only decides how `agent_devices` is read, as in comlrl: with 'none' the first (or only)
+    entry is every agent's device, with 'mp' entry i is agent i's."""
+    agent_devices: Optional[DeviceSpec] = None
+    """Device of each agent's learner (its trainable weights and optimizer): None or 'auto'
+    (`learner_device` decides), 'cpu', 'cuda', 'cuda:N', or a list of those (one entry, or one
+    per agent with `parallel_training='mp'`). Here 'cuda:N' means "a GPU": the learner actor
+    gets its GPU from Ray (`learner_num_gpus`), so the index only has to agree with
+    `reference_devices`. Other torch device types (mps, xpu, ...) are refused: the learners
+    run on CPU or CUDA only. Read per agent with `learner_device_for(agent_index)`."""
     num_generations: int = 4
     """K: completions sampled per prompt per agent (>= 2, the group baseline needs several)."""
     max_new_tokens: int = 256
@@ -77,6 +103,13 @@ class MAGRPOConfig:
     """Shape returns with a KL penalty to a frozen copy of the initial model."""
     reference_kl_coef: float = 0.1
     """Weight of the reference KL penalty."""
+    reference_devices: Optional[DeviceSpec] = None
+    """Where the frozen reference copies live (comlrl's rules: None, 'auto', a device, or a list
+    of one or num_agents devices; checked only with `reference_kl_enabled`, as in comlrl). Here
+    agent i's reference copy always lives in agent i's learner actor, on its learner device:
+    None and 'auto' mean exactly that, and an explicit device is accepted only when it is agent
+    i's device (`agent_devices`/`learner_device`); any other device is a ValueError, never
+    silently moved."""
 
     # ---- this project's fields ----
     seed: int = 42
@@ -122,6 +155,13 @@ class MAGRPOConfig:
     """Ray custom resources per learner actor (pins learners like `rollout_resources`)."""
     placement_timeout_s: float = 300.0
     """Seconds to wait for Ray to reserve every actor's resources before failing."""
+    weight_bucket_bytes: int = 256 * 1024 * 1024
+    """Bucket size of the bucketed broadcast / CUDA IPC weight transports (>= 1 MiB): weights
+    travel in buckets of at most this many bytes. Replaces the environment variable
+    COMLRL_WEIGHT_BUCKET_BYTES."""
+    skip_callable_fingerprints: bool = False
+    """Skip the resume check of callables (reward, transition, formatters) that cannot be
+    fingerprinted."""
     weight_transport: str = "auto"
     """Learner-to-engine weight push: 'object_store' (Ray object store; works everywhere),
     'nccl' (bucketed broadcast from the learner to its engines; gloo when tensors are on CPU),
@@ -172,10 +212,9 @@ class MAGRPOConfig:
                 f"advantage_mode must be one of: mean, raw, max, rloo (got {self.advantage_mode!r})."
             )
         self.joint_mode = str(self.joint_mode).lower()
-        if self.joint_mode not in JOINT_MODES:
-            raise ValueError(
-                f"Unsupported joint_mode: {self.joint_mode!r}; use 'aligned' or 'cross'."
-            )
+        # comlrl reads joint_mode only with several agents (one agent: aligned, whatever it
+        # says). The trainer repeats this check with its real agent count.
+        self.check_joint_mode(self.num_agents)
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ValueError(
                 f"rollout_engine must be 'vllm' or 'hf' (got {self.rollout_engine!r})."
@@ -223,6 +262,15 @@ class MAGRPOConfig:
             raise ValueError(
                 f"weight_transport must be 'auto', 'object_store', 'nccl' or 'cuda_ipc' "
                 f"(got {self.weight_transport!r}).")
+        if (isinstance(self.weight_bucket_bytes, bool) or
+                not isinstance(self.weight_bucket_bytes, int) or
+                self.weight_bucket_bytes < 1 << 20):
+            raise ValueError(f"weight_bucket_bytes must be an int of at least 1 MiB (1048576) "
+                             f"(got {self.weight_bucket_bytes!r}).")
+        if not isinstance(self.skip_callable_fingerprints, bool):
+            raise ValueError(f"skip_callable_fingerprints must be True or False "
+                             f"(got {self.skip_callable_fingerprints!r}).")
+        self._check_placement_fields()
         if self.single_gpu:
             # One GPU shared by every actor: workers.launch.plan_placement gives each actor a
             # fraction of it and each engine a part of gpu_memory_utilization.
@@ -235,5 +283,155 @@ class MAGRPOConfig:
     def cross(self) -> bool:
         return self.joint_mode in ("cross", "crossed")
 
+    # ---------------------------------------------------------------- joint mode
+
+    def check_joint_mode(self, num_agents: int) -> None:
+        """Refuse a joint_mode comlrl would refuse for `num_agents` agents.
+
+        comlrl 1.4.3 accepts any joint_mode in its config and checks it only when several
+        agents roll out ("Unsupported joint_mode: <mode>"); one agent is always aligned.
+        """
+        if num_agents > 1 and str(self.joint_mode).lower() not in JOINT_MODES:
+            raise ValueError(
+                f"Unsupported joint_mode: {self.joint_mode!r}; use 'aligned' or 'cross' "
+                f"(any value is accepted with a single agent)."
+            )
+
+    # ---------------------------------------------------------------- devices
+
+    def _check_placement_fields(self) -> None:
+        """parallel_training, agent_devices and reference_devices, by comlrl's rules."""
+        mode = self.parallel_training or "none"
+        mode = str(mode).strip().lower()
+        if mode == "null":
+            mode = "none"
+        if mode not in PARALLEL_TRAINING_MODES:
+            raise ValueError("parallel_training only supports: none, mp.")
+        if mode == "mp" and self.agent_devices is None:
+            raise ValueError("parallel_training='mp' requires explicit agent_devices.")
+        self.parallel_training = mode
+        entries = _device_entries(self.agent_devices, "agent_devices",
+                                  auto_in_list=mode == "none")
+        if mode == "none" and entries:
+            entries = entries[:1]       # comlrl: without 'mp', the first entry is every agent's
+        for entry in entries:
+            self._learner_kind(entry)   # refuses a device that contradicts learner_device
+        if self.reference_kl_enabled and self.reference_devices is not None:
+            refs = _device_entries(self.reference_devices, "reference_devices")
+            if len(refs) not in (1, self.num_agents):
+                raise ValueError(f"reference_devices length ({len(refs)}) must be 1 or "
+                                 f"{self.num_agents}.")
+            if mode == "none" or len(entries) in (1, self.num_agents):
+                self.check_devices(self.num_agents)
+
+    def _learner_kind(self, entry: str) -> str:
+        """'auto', 'cpu' or 'cuda' for one normalised agent_devices entry."""
+        if entry == "auto":
+            return self.learner_device
+        kind = entry.split(":")[0]
+        if self.learner_device != "auto" and kind != self.learner_device:
+            raise ValueError(
+                f"agent_devices {entry!r} contradicts learner_device={self.learner_device!r}; "
+                f"set one of them (learner_device='auto' lets agent_devices decide).")
+        return kind
+
+    def agent_device_specs(self, num_agents: Optional[int] = None) -> list[str]:
+        """Each agent's device as comlrl resolves `agent_devices`, normalised: 'auto', 'cpu',
+        'cuda' or 'cuda:N'. `num_agents` defaults to the config's."""
+        n = self.num_agents if num_agents is None else int(num_agents)
+        if n < 1:
+            raise ValueError("agent_devices count must be >= 1.")
+        entries = _device_entries(self.agent_devices, "agent_devices",
+                                  auto_in_list=self.parallel_training == "none")
+        if not entries:
+            return ["auto"] * n
+        if self.parallel_training == "none" or len(entries) == 1:
+            return [entries[0]] * n
+        if len(entries) != n:
+            raise ValueError(f"agent_devices length ({len(entries)}) must be 1 or {n}.")
+        return list(entries)
+
+    def check_devices(self, num_agents: Optional[int] = None) -> None:
+        """Validate agent_devices and reference_devices for `num_agents` agents (the trainer's
+        real count): comlrl's length rules, and every reference copy on its agent's device."""
+        n = self.num_agents if num_agents is None else int(num_agents)
+        agents = self.agent_device_specs(n)
+        for entry in agents:
+            self._learner_kind(entry)
+        if not (self.reference_kl_enabled and self.reference_devices is not None):
+            return
+        refs = _device_entries(self.reference_devices, "reference_devices")
+        if refs == ["auto"]:
+            return                      # 'auto': wherever its agent is, which is where it lives
+        if len(refs) == 1:
+            refs = refs * n
+        if len(refs) != n:
+            raise ValueError(f"reference_devices length ({len(refs)}) must be 1 or {n}.")
+        for i, (ref, agent) in enumerate(zip(refs, agents)):
+            if not _same_device(ref, agent, self._learner_kind(agent)):
+                raise ValueError(
+                    f"reference_devices[{i}] = {ref!r} cannot be honoured: agent {i}'s "
+                    f"reference copy lives in its learner, on the agent's device "
+                    f"({agent!r}, learner_device={self.learner_device!r}). Leave "
+                    f"reference_devices None (or 'auto'), or give agent {i} that device with "
+                    f"agent_devices.")
+
+    def learner_device_for(self, agent_index: int, num_agents: Optional[int] = None) -> str:
+        """The `learner_device` ('auto', 'cpu' or 'cuda') of agent `agent_index`'s learner:
+        its `agent_devices` entry mapped onto cpu/cuda, or `learner_device` when that entry is
+        None/'auto'. `num_agents` is the trainer's agent count (default: the config's)."""
+        n = self.num_agents if num_agents is None else int(num_agents)
+        if not 0 <= agent_index < n:
+            raise ValueError(f"agent_index {agent_index} is not one of the {n} agents.")
+        self.check_devices(n)
+        return self._learner_kind(self.agent_device_specs(n)[agent_index])
+
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _normalise_device(value: object, name: str) -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N', or a ValueError naming the field."""
+    if not isinstance(value, str):
+        raise ValueError(f"Unsupported {name} spec: {value!r}.")
+    if value.lower() == "auto":
+        return "auto"
+    if re.fullmatch(r"cpu(:0)?|cuda(:\d+)?", value):
+        return "cpu" if value.startswith("cpu") else value
+    if value.split(":")[0] in _OTHER_TORCH_DEVICES:
+        raise ValueError(f"{name}: {value!r} is a torch device, but learners and their reference "
+                         f"copies here run on 'cpu' or 'cuda' only.")
+    raise ValueError(f"{name}: {value!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or "
+                     f"'auto'.")
+
+
+def _device_entries(spec: object, name: str, auto_in_list: bool = False) -> list[str]:
+    """A device spec as a list of normalised entries ([] for None), with comlrl's errors.
+
+    comlrl reads 'auto' as a whole spec, and inside a list only as its first entry without 'mp'
+    (`auto_in_list`); torch refuses it elsewhere."""
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        return [_normalise_device(spec, name)]
+    if not isinstance(spec, (list, tuple)):
+        raise ValueError(f"Unsupported {name} spec: {spec!r}.")
+    if not spec:
+        raise ValueError(f"{name} must be a non-empty list or 'auto'.")
+    entries = [_normalise_device(v, name) for v in spec]
+    for i, entry in enumerate(entries):
+        if entry == "auto" and not (auto_in_list and i == 0):
+            raise ValueError(f"{name}: 'auto' is accepted as the whole spec, not as list entry "
+                             f"{i}; list explicit devices ('cpu', 'cuda', 'cuda:N').")
+    return entries
+
+
+def _same_device(ref: str, agent: str, agent_kind: str) -> bool:
+    """Whether a reference entry names the device agent `agent` (kind `agent_kind`) is on."""
+    if ref == "auto":
+        return True
+    ref_kind, _, ref_index = ref.partition(":")
+    if agent_kind == "auto" or ref_kind != agent_kind:
+        return False
+    agent_index = agent.partition(":")[2]
+    return not (ref_index and agent_index and ref_index != agent_index)

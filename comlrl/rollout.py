@@ -132,9 +132,15 @@ def run_episode_batch(trainer: Any, session: Any, epoch: int, row_indices: list[
             node.combos = magrpo.joint_actions(n_agents, k, args.cross)
             per_agent = [[node.texts[a][c[a]] for c in node.combos] for a in range(n_agents)]
             n = len(node.combos)
+            # comlrl calls the reward once per joint action, with prompts=[p], batch_items=[row]
+            # and one completion per agent; the batched call gets the same lists, aligned: p and
+            # row repeated once per joint action. p is agent 0's prompt this turn (evaluation:
+            # its first-turn prompt, as comlrl's evaluate passes at every turn).
+            reward_prompt = ep.root.prompts[0] if evaluation else node.prompts[0]
             node.rewards = magrpo.call_reward(
-                trainer.reward_func, per_agent, prompts=[node.prompts[0]], batch_items=[ep.row],
-                style=trainer.reward_style, reward_processor=trainer.reward_processor)
+                trainer.reward_func, per_agent, prompts=[reward_prompt] * n,
+                batch_items=[ep.row] * n, style=trainer.reward_style,
+                reward_processor=trainer.reward_processor)
             assert len(node.rewards) == n
             threshold = args.early_termination_threshold
             mean = sum(node.rewards) / n
