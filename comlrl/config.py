@@ -211,10 +211,9 @@ class MAGRPOConfig:
             raise ValueError(
                 f"advantage_mode must be one of: mean, raw, max, rloo (got {self.advantage_mode!r})."
             )
+        # comlrl's config accepts any joint_mode; it is read only with several agents (one
+        # agent: aligned, whatever it says). The trainer checks it with its real agent count.
         self.joint_mode = str(self.joint_mode).lower()
-        # comlrl reads joint_mode only with several agents (one agent: aligned, whatever it
-        # says). The trainer repeats this check with its real agent count.
-        self.check_joint_mode(self.num_agents)
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ValueError(
                 f"rollout_engine must be 'vllm' or 'hf' (got {self.rollout_engine!r})."

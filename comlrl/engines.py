@@ -4,7 +4,8 @@ An engine takes requests `{"prompt_ids": [...], "n": K, "seed": s}` and returns,
 K samples `{"token_ids": [...], "logprobs": [...]}` (log-probs of the sampled tokens under the
 raw model distribution). `load_weights(state_dict)` swaps in new weights without a restart.
 Engines live inside rollout-worker actors, never in the driver or learner: an in-process vLLM
-engine reseeds global RNGs and pins torch threads of its host process (DESIGN.md section 4).
+engine reseeds global RNGs and pins torch threads of its host process
+(docs/architecture.md, "Measured facts").
 """
 
 from __future__ import annotations

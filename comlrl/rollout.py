@@ -23,7 +23,7 @@ class StepRecord:
     learning: float = 0.0
     weight_sync: float = 0.0
     tokens: int = 0
-    rollout_versions: dict = field(default_factory=dict)
+    policy_versions: dict = field(default_factory=dict)      # agent -> weight version that sampled
     learner: list = field(default_factory=list)
 
 

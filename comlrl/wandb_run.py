@@ -1,12 +1,16 @@
-"""The driver's single W&B run: init from comlrl's `wandb_config`, log at env_step, no repeats.
+"""The driver's single W&B run: init from comlrl's `wandb_config`, log at env_step, no repeats,
+no losses.
 
-Steps at or below the last one already sent are dropped, which is what makes a resumed run
-(even after kill -9) add no duplicate points: the last sent step comes from the checkpoint and
-from a journal rewritten after every log (offline W&B cannot tell us).
+Every row sent is also kept (`rows`) and travels with each checkpoint, so a row that a kill
+took before W&B wrote it is sent again by the resumed run. A resumed run reads which steps the
+run's files already hold and sends only the others: each env_step lands exactly once. Where the
+files cannot be read, the last step sent (checkpoint, or the journal rewritten after each log)
+is the floor instead.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 import signal
 from pathlib import Path
@@ -20,11 +24,20 @@ _INIT_KEYS = ("project", "entity", "name", "dir", "tags", "id", "resume", "group
 
 class WandbRun:
     def __init__(self, wandb_config: dict | None, run_config: dict,
-                 journal_dir: str | Path | None = None, last_logged_step: int = -1):
+                 journal_dir: str | Path | None = None, last_logged_step: int = -1,
+                 logged_steps: set[int] | None = None, rows: list | None = None):
+        """`logged_steps`: the steps the run already holds (None: unknown, then nothing at or
+        below `last_logged_step` is sent); `rows`: [step, metrics] of every row of the run so
+        far, carried by the checkpoint being resumed."""
         self.config = dict(wandb_config) if wandb_config is not None else None
         self.run_config = run_config
         self.journal_dir = Path(journal_dir) if journal_dir else None
         self.last_step = last_logged_step
+        self.floor = last_logged_step if logged_steps is None else -1
+        self.logged_steps = set(logged_steps or ())
+        self.rows = [list(r) for r in rows or []]
+        self.resent = 0
+        self.high = -1                      # highest step handled by this process
         self.run = None
         self.identity: dict | None = None
         self._previous_sigterm = None
@@ -54,6 +67,13 @@ class WandbRun:
         self.identity = {"id": self.run.id, "project": self.run.project,
                          "entity": self.run.entity or self.config.get("entity") or "",
                          "name": self.run.name}
+        # Rows a checkpoint covers that the run's files lack come first, in step order (a
+        # new run folder starts at step 0, so they still land).
+        for step, metrics in sorted(self.rows, key=lambda r: r[0]):
+            if step > self.floor and step not in self.logged_steps:
+                self._send(metrics, step)
+                self.resent += 1
+                self.high = max(self.high, int(step))
         # SIGTERM (ray job stop, kill) finishes the run cleanly, then exits as asked.
         try:
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -62,37 +82,62 @@ class WandbRun:
 
     def _on_sigterm(self, signum, frame):
         try:
-            self.finish()
+            self.finish(128 + signum)
         except Exception:  # `ray job stop` signals W&B's service too; it may be gone already
             pass
         raise SystemExit(128 + signum)
 
     def log(self, metrics: dict, step: int) -> bool:
-        """Send `metrics` at `step` unless a point at or after it was already sent."""
-        if self.run is None or step <= self.last_step:
+        """Send `metrics` at `step` unless the run already holds that step (or, where that is
+        unknown, unless it is at or below the last step sent before). Steps only increase."""
+        if self.run is None or step <= self.high:
             return False
-        # commit=True writes the row now; by default W&B holds a step's row until a later
-        # step arrives, so a kill would lose the newest point. Each step is logged once.
-        self.run.log(metrics, step=int(step), commit=True)
-        self.last_step = int(step)
-        if self.journal_dir is not None:
-            write_journal(self.journal_dir, self.run.id, self.last_step)
+        self.high = int(step)
+        self.rows.append([int(step), _plain(metrics)])
+        if step <= self.floor or step in self.logged_steps:
+            return False  # sent by an earlier process; redone work gives the same row
+        self._send(self.rows[-1][1], step)
         return True
 
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
-        if self._previous_sigterm is not None:
-            try:
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
-            except ValueError:
-                pass
-            self._previous_sigterm = None
+    def _send(self, metrics: dict, step: int) -> None:
+        # commit=True writes the row now; by default W&B holds a step's row until a later
+        # step arrives, so a kill would lose the newest point.
+        self.run.log(metrics, step=int(step), commit=True)
+        self.last_step = max(self.last_step, int(step))
+        self.logged_steps.add(int(step))
+        if self.journal_dir is not None:
+            write_journal(self.journal_dir, self.run.id, self.last_step)
+
+    def finish(self, exit_code: int = 0) -> None:
+        """Finish the run; a nonzero `exit_code` marks it failed (or stopped) in W&B."""
+        run, self.run = self.run, None
+        try:
+            if run is not None:
+                run.finish(exit_code=exit_code)
+        finally:
+            if self._previous_sigterm is not None:
+                try:
+                    signal.signal(signal.SIGTERM, self._previous_sigterm)
+                except ValueError:
+                    pass
+                self._previous_sigterm = None
 
 
-def last_step_on_disk(run_id: str, wandb_config: dict | None) -> int | None:
-    """Highest history step of W&B run `run_id` in its local run files, or None if none found.
+def _plain(metrics: dict) -> dict:
+    """Metrics as JSON values, to travel in a checkpoint (numbers of any kind become float)."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool) or isinstance(value, (str, int)):
+            out[key] = value
+        elif isinstance(value, numbers.Real):
+            out[key] = float(value)
+        else:
+            out[key] = str(value)
+    return out
+
+
+def steps_on_disk(run_id: str, wandb_config: dict | None) -> set[int] | None:
+    """Every history step of W&B run `run_id` in its local run files, or None if none found.
 
     This is the ground truth for "already logged": a kill can land after `run.log` returned but
     before W&B flushed the row, and offline W&B cannot be asked. Reads every run folder of the
@@ -109,7 +154,7 @@ def last_step_on_disk(run_id: str, wandb_config: dict | None) -> int | None:
     exe = str(exe) if exe.exists() else shutil.which("wandb")
     if not files or exe is None:
         return None
-    best = -1
+    steps: set[int] = set()
     for f in files:
         out = subprocess.run([exe, "leet", "inspect", "--json", str(f)], capture_output=True,
                              text=True, timeout=120)
@@ -118,5 +163,5 @@ def last_step_on_disk(run_id: str, wandb_config: dict | None) -> int | None:
                 continue
             rec = json.loads(line)
             if rec.get("type") == "history":
-                best = max(best, int(rec["history"]["item"].get("_step", -1)))
-    return best
+                steps.add(int(rec["history"]["item"].get("_step", -1)))
+    return steps

@@ -4,8 +4,8 @@
 """
 
 import argparse
-import math
 import os
+import sys
 from pathlib import Path
 
 parser = argparse.ArgumentParser()
@@ -14,6 +14,9 @@ parser.add_argument("--checkpoint-dir", required=True)
 parser.add_argument("--epochs", type=int, required=True)
 parser.add_argument("--resume", default=None)
 parser.add_argument("--name", default="seed")
+parser.add_argument("--pause-before-publish", type=float, default=0.0,
+                    help="seconds the checkpointer holds each staged checkpoint before "
+                         "publishing it (tests kill the run meanwhile)")
 parser.add_argument("--override", action="append", default=[],
                     help="MAGRPOConfig field=value (python literal)")
 cli = parser.parse_args()
@@ -24,17 +27,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl.utils import read_checkpoint_metadata
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: examples.*
+from examples.rewards import length_ratio_reward  # noqa: E402
+
 PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
            "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
-
-
-def length_ratio_reward(completions1, completions2):
-    rewards = []
-    for first, second in zip(completions1, completions2):
-        ratio = len(second) / max(len(first), 1)
-        distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
-        rewards.append(math.exp(-distance))
-    return rewards
 
 
 settings = dict(num_turns=1, num_train_epochs=cli.epochs, num_generations=4, max_new_tokens=64,
@@ -45,8 +42,9 @@ for item in cli.override:
 wandb_config = {"project": "comlrl-tests", "name": cli.name}
 resume = cli.resume
 if resume == "latest":
-    resume = str(max(Path(cli.checkpoint_dir).glob("checkpoint-*"),
-                     key=lambda p: int(p.name.rsplit("-", 1)[1])))
+    from comlrl.checkpoint import list_checkpoints
+
+    resume = str(list_checkpoints(cli.checkpoint_dir)[-1])
 if resume:
     wandb_config = {**wandb_config, **read_checkpoint_metadata(resume)["wandb"],
                     "resume": "allow"}
@@ -55,6 +53,11 @@ trainer = MAGRPOTrainer(
     tokenizer=AutoTokenizer.from_pretrained(cli.model), reward_func=length_ratio_reward,
     train_dataset=Dataset.from_dict({"prompt": PROMPTS}), args=MAGRPOConfig(**settings),
     wandb_config=wandb_config)
+if cli.pause_before_publish:
+    import time
+
+    pause = cli.pause_before_publish
+    trainer._checkpoint_before_publish = lambda staging: time.sleep(pause)
 trainer.train(checkpoint_dir=cli.checkpoint_dir, checkpoint_interval=1,
               resume_from_checkpoint=resume)
 print(f"DONE env_step={trainer.env_step} pid={os.getpid()}")

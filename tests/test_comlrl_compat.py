@@ -132,11 +132,11 @@ def test_joint_mode_is_free_with_one_agent():
     """comlrl: MAGRPOConfig(joint_mode='diagonal') is accepted at config time (any num_agents);
     training with one agent and joint_mode='diagonal' (or 'cross') runs aligned; with two
     agents train() raises 'Unsupported joint_mode: diagonal' at the first rollout node. Here:
-    accepted with num_agents=1, refused at once with more (check_joint_mode)."""
+    accepted by the config, refused by the trainer with more than one agent (check_joint_mode,
+    at construction; tests/test_comlrl_compat_train.py)."""
     assert MAGRPOConfig(num_agents=1, joint_mode="diagonal").cross is False
     assert MAGRPOConfig(num_agents=1, joint_mode="cross").joint_mode == "cross"
-    with pytest.raises(ValueError, match="Unsupported joint_mode: 'diagonal'"):
-        MAGRPOConfig(joint_mode="diagonal")
+    assert MAGRPOConfig(joint_mode="diagonal").joint_mode == "diagonal"
     single = MAGRPOConfig(num_agents=1, joint_mode="diagonal")
     single.check_joint_mode(1)
     with pytest.raises(ValueError, match="Unsupported joint_mode"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from comlrl import magrpo
+from tests.learner_probe import sequence_logprobs
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +40,7 @@ def test_engine_logprobs_follow_learner_after_update(ray_session, tiny_model, en
         assert len(samples) == 3 and all(len(s["token_ids"]) >= 1 for s in samples)
         comps = [magrpo.trim_at_eos(s["token_ids"], {0}) for s in samples]
         # Sampling logprobs are the learner's teacher-forced log-probs for the same weights.
-        before = ray.get(learner.sequence_logprobs.remote(prompt, comps))
+        before = sequence_logprobs(learner, tiny_model, prompt, comps)
         for s, lp in zip(samples, before):
             assert s["logprobs"][:len(lp)] == pytest.approx(lp, abs=1e-4)
         fixed = prompt + comps[0]
@@ -52,7 +53,7 @@ def test_engine_logprobs_follow_learner_after_update(ray_session, tiny_model, en
         ray.get(worker.update_weights.remote(res["version"], learner.get_weights.remote()))
         assert ray.get(worker.get_version.remote()) == 1
 
-        after_learner = ray.get(learner.sequence_logprobs.remote(prompt, [comps[0]]))[0]
+        after_learner = sequence_logprobs(learner, tiny_model, prompt, [comps[0]])[0]
         engine_after = ray.get(worker.prompt_logprobs.remote(fixed))[len(prompt):]
         assert engine_after == pytest.approx(after_learner, abs=1e-4)
         assert max(abs(a - b) for a, b in zip(engine_after, engine_before)) > 1e-3

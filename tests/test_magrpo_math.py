@@ -100,7 +100,7 @@ def test_bad_reward_results_raise_with_the_completions(func, match):
 
 def test_reward_signature_that_fits_nothing_is_refused():
     with pytest.raises(ValueError, match="one list of completions per agent"):
-        magrpo.reward_call_style(lambda only_one: [0.0], 2)
+        magrpo.reward_call_style(lambda: [0.0], 2)   # r(all_lists) is a comlrl form
     with pytest.raises(ValueError, match="must be a callable"):
         magrpo.reward_call_style("not a function", 2)
 

@@ -179,6 +179,7 @@ def test_broadcast_transport_over_gloo_matches_the_learner(ray_session, tiny_mod
     from workers.launch import kill_actors, start_actor
     from workers.learner import Learner
     from workers.rollout import RolloutWorker
+    from tests.learner_probe import sequence_logprobs
     from workers.transport import NcclBroadcastTransport, with_learner_endpoint
 
     sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None,
@@ -198,7 +199,7 @@ def test_broadcast_transport_over_gloo_matches_the_learner(ray_session, tiny_mod
         res = ray.get(learner.update.remote(
             [{"prompt_ids": prompt, "completions": comps, "returns": [1.0, -0.5, -0.5]}], 1))
         ray.get(transport.push(0, learner, workers, res["version"]))
-        want = ray.get(learner.sequence_logprobs.remote(prompt, [comps[0]]))[0]
+        want = sequence_logprobs(learner, tiny_model, prompt, [comps[0]])[0]
         for w in workers:
             assert ray.get(w.get_version.remote()) == res["version"]
             got = ray.get(w.prompt_logprobs.remote(prompt + comps[0]))[len(prompt):]
@@ -250,7 +251,7 @@ def test_two_workers_per_agent_and_killed_workers_log_the_same_values(
     restart difference.)"""
     import ray
 
-    from comlrl.trainers.reinforce.magrpo import _Session
+    from workers.session import Session
 
     trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "two-workers-kills"},
                        rollout_workers_per_agent=2, rollout_num_cpus=0.25)
@@ -281,14 +282,14 @@ def test_two_workers_per_agent_and_killed_workers_log_the_same_values(
 
         session.generate, session.push_weights = generate_then_kill, kill_then_push
 
-    enter = _Session.__enter__
+    enter = Session.__enter__
 
     def enter_and_wrap(session):
         enter(session)
         wrap(session)
         return session
 
-    monkeypatch.setattr(_Session, "__enter__", enter_and_wrap)
+    monkeypatch.setattr(Session, "__enter__", enter_and_wrap)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()

@@ -324,11 +324,28 @@ def load_rows(spec: Any, what: str = "dataset"):
 
 
 def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
-    """The newest whole `checkpoint-N` (largest N) in `checkpoint_dir`, or None."""
-    from comlrl.checkpoint import list_checkpoints
+    """The newest whole, undamaged `checkpoint-N` of `checkpoint_dir`, or None.
 
-    found = list_checkpoints(checkpoint_dir)
-    return found[-1] if found else None
+    A damaged newest one (a changed or missing file) is passed over with a warning naming
+    it, so an automatically resubmitted job resumes from the one before instead of failing
+    forever."""
+    import warnings
+
+    from comlrl.checkpoint import (
+        CheckpointError, list_checkpoints, recover_interrupted_commits, verify_checksums,
+    )
+
+    if not Path(checkpoint_dir).is_dir():
+        return None
+    recover_interrupted_commits(checkpoint_dir)
+    for path in reversed(list_checkpoints(checkpoint_dir)):
+        try:
+            verify_checksums(path)
+            return path
+        except (CheckpointError, OSError) as exc:
+            warnings.warn(f"--resume latest: skipping damaged {path} ({exc}); resuming from "
+                          f"the checkpoint before it.")
+    return None
 
 
 def resolve_resume(resume: str | None, checkpoint_dir: str) -> Path | None:

@@ -23,6 +23,10 @@ LOCAL_RAY_ENV = {
 }
 
 
+# The local Ray this process started, if any: {"num_cpus", "object_store"}.
+_LOCAL_RAY: dict = {}
+
+
 class ActorFailure(RuntimeError):
     """A Ray actor died; the message says which one and why."""
 
@@ -37,13 +41,27 @@ def object_store_bytes(state_dict_bytes: int) -> int:
     return int(min(max(want, 512 * 1024 * 1024), total // 4))
 
 
-def ensure_ray(address: str | None, state_dict_bytes: int = 0) -> bool:
+def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: float = 0.0) -> bool:
     """Join `address` (or RAY_ADDRESS), else start a local Ray whose object store fits
-    `state_dict_bytes` (all agents' weights). Returns True if we started it."""
+    `state_dict_bytes` (all agents' weights). Returns True if the Ray in use is a local one
+    this process started (now, or for an earlier `train()` of the same process).
+
+    A local Ray gets at least `cpus_needed` logical CPUs (the sum of the actors' num_cpus):
+    Ray's CPU counts are scheduling labels, and a local user expects 3 agents, or several
+    rollout workers per agent, to share a 2-core machine rather than be refused. Threads
+    per actor are still sized to the real cores. A local Ray started for an earlier, smaller
+    `train()` is restarted larger. A cluster is never resized: there the feasibility check
+    (`check_resources`) speaks."""
     import ray
 
     if ray.is_initialized():
-        return False
+        if not _LOCAL_RAY:
+            return False
+        if _LOCAL_RAY["num_cpus"] >= cpus_needed - 1e-9 and \
+                _LOCAL_RAY["object_store"] >= object_store_bytes(state_dict_bytes):
+            return True
+        ray.shutdown()
+        _LOCAL_RAY.clear()
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
     env = {"env_vars": {**LOCAL_RAY_ENV, **ENGINE_ENV}}
@@ -64,8 +82,11 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0) -> bool:
         return False
     # address="local": always a new local Ray, never one a `ray start` left on this machine
     # (joining that with num_cpus would fail).
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env,
-             object_store_memory=object_store_bytes(state_dict_bytes), log_to_driver=True)
+    num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed - 1e-9))
+    store = object_store_bytes(state_dict_bytes)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
+             object_store_memory=store, log_to_driver=True)
+    _LOCAL_RAY.update(num_cpus=num_cpus, object_store=store)
     return True
 
 

@@ -145,26 +145,6 @@ class Learner:
                     seq_kl = seq_kl[len(g["completions"]):]
         return out
 
-    def sequence_logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
-        """Per-token log-probs of each completion under the current weights (no grad)."""
-        import torch
-
-        from comlrl.magrpo import pad_batch, token_logprobs
-
-        ids, attn, target = pad_batch([prompt_ids] * len(completions), completions, self.pad_id)
-        with torch.no_grad():
-            logits = self.model(input_ids=ids.to(self.device),
-                                attention_mask=attn.to(self.device)).logits
-        lp = token_logprobs(logits, ids.to(self.device)).cpu()
-        start = len(prompt_ids)
-        return [lp[b, start:start + len(c)].tolist() for b, c in enumerate(completions)]
-
-    def logits(self, input_ids: list[list[int]]):
-        import torch
-
-        with torch.no_grad():
-            return self.model(input_ids=torch.tensor(input_ids, device=self.device)).logits.cpu()
-
     def get_weights(self) -> dict:
         """CPU tensors for the engines. No copy of CPU tensors here: Ray serializes the return
         value into the object store before this actor runs its next call (the next update),

@@ -327,9 +327,6 @@ class WeightTransport:
         self.connect(agent, learner, workers)
         return self.push(agent, learner, [workers[index]], version)
 
-    def close(self) -> None:
-        """Release channels (actors are killed by the session)."""
-
 
 class ObjectStoreTransport(WeightTransport):
     """learner.get_weights -> Ray object store (one copy per node) -> worker.update_weights."""

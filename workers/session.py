@@ -1,0 +1,394 @@
+"""Session: everything one `train()` (or `evaluate()`) call runs on Ray, started and stopped.
+
+It starts (or joins) Ray, places the actors (rollout workers in a `RolloutPool`, one learner
+per agent, the checkpointer), connects the weight transport, restores a checkpoint, opens the
+driver's single W&B run, and stops all of it again, whatever happened. The trainer's loop
+calls its verbs: `generate`, `update_and_push`, `log_step`, `save_checkpoint`. The map of who
+owns what is docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from comlrl import magrpo
+from comlrl.checkpoint import compare_fingerprints, read_journal
+from comlrl.config import RESUMABLE_FIELDS
+from comlrl.metrics import step_metrics
+from comlrl.rollout import Episode, StepRecord
+
+
+class Session:
+    def __init__(self, trainer: Any, checkpoint_dir: str | None = None,
+                 total_limit: int | None = None, resume_path: str | None = None,
+                 resume_meta: dict | None = None, for_eval: bool = False):
+        self.trainer = trainer
+        self.checkpoint_dir = checkpoint_dir
+        self.total_limit = total_limit
+        self.resume_path = resume_path
+        self.resume_meta = resume_meta
+        self.for_eval = for_eval
+        self.epoch = 0                      # completed epochs
+        self.learner_updates = 0            # updates every learner has taken in this run
+        self.engine_versions = [0] * trainer.num_agents   # weight version each agent's engines hold
+        self.last_train_log = -1            # env_step of the last training point sent
+        self.pending_metrics: dict = {}     # events (e.g. restarts) riding with the next point
+        self.run_uid: str | None = None
+        self.fingerprints: dict = {}
+        self.tmp: tempfile.TemporaryDirectory | None = None
+        self.placement_group = None
+        self.pool = None
+        self.learners: list = []
+        self.checkpointer = None
+        self.transport = None
+        self.wandb = None
+        self.pending_checkpoint = None
+        self.started_ray = False
+
+    @property
+    def workers(self) -> list[list]:
+        return self.pool.workers if self.pool is not None else []
+
+    @property
+    def actors(self) -> list:
+        extra = [self.checkpointer] if self.checkpointer is not None else []
+        return (self.pool.actors if self.pool else []) + self.learners + extra
+
+    # ---- start / stop
+
+    def __enter__(self) -> "Session":
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start(self) -> None:
+        import ray
+
+        from comlrl.wandb_run import WandbRun
+        from workers.checkpointer import Checkpointer
+        from workers.launch import (
+            Placement, check_resources, ensure_ray, pack_model_folder, place, plan_placement,
+            ray_get, start_actor,
+        )
+        from workers.learner import Learner
+        from workers.pool import RolloutPool
+        from workers.rollout import RolloutWorker
+        from workers.transport import with_learner_endpoint
+
+        trainer, args = self.trainer, self.trainer.args
+        # Actors load the models from folders: the driver's models, saved once here.
+        self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-split-")
+        folders = []
+        for i, (model, tok) in enumerate(zip(trainer._initial_models(), trainer.tokenizers)):
+            folder = Path(self.tmp.name) / f"agent_{i}"
+            model.save_pretrained(folder, safe_serialization=True)
+            tok.save_pretrained(folder)
+            folders.append(str(folder))
+        self.fingerprints = trainer.fingerprints(folders)
+        meta = self.resume_meta
+        if meta is not None:
+            compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
+                                 skip_callables=args.skip_callable_fingerprints)
+            trainer.env_step = int(meta["env_step"])
+            self.epoch = int(meta["epoch"])
+            self.learner_updates = int(meta["update_index"])
+            self.last_train_log = int(meta.get("last_train_log", -1))
+            self.run_uid = meta["run_uid"]
+        elif not self.for_eval:  # evaluate() logs at the env_step training reached
+            trainer.env_step = 0
+            self.run_uid = f"{time.time_ns():x}"
+        if self.epoch > args.num_train_epochs:
+            raise ValueError(f"num_train_epochs={args.num_train_epochs} is below the "
+                             f"{self.epoch} epochs the checkpoint already completed; "
+                             f"num_train_epochs counts the whole run.")
+
+        weight_bytes = sum(p.numel() * p.element_size() for m in trainer._initial_models()
+                           for p in m.state_dict().values())
+        per_agent = args.rollout_workers_per_agent
+        n_workers = trainer.num_agents * per_agent
+        # One placement-group bundle per actor (workers.launch.plan_placement says why PACK,
+        # or STRICT_PACK for single_gpu); impossible requests fail here, naming the setting.
+        plan = plan_placement(args, trainer.num_agents)
+        needs = [("rollout", plan["rollout"])] * n_workers
+        if not self.for_eval:
+            needs += [("learner", plan["learner"])] * trainer.num_agents
+        self.started_ray = ensure_ray(args.ray_address, weight_bytes,
+                                      sum(p.num_cpus for _, p in needs))
+        check_resources(needs, plan["strategy"])
+        # Threads follow the real cores of a Ray we started (its CPU count may be larger).
+        cores = max(1, (os.cpu_count() or 1) if self.started_ray
+                    else int(ray.cluster_resources().get("CPU", 1)))
+        placed, self.placement_group = place(needs, plan["strategy"], args.placement_timeout_s)
+        sources = [ray.put(pack_model_folder(f)) for f in folders]
+        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k)
+        engine_kwargs = dict(
+            dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
+            max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=plan["gpu_memory_utilization"],
+            tensor_parallel_size=args.tensor_parallel_size,
+            enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
+            threads=args.rollout_threads or max(1, cores // n_workers))
+        specs = {(a, i): (RolloutWorker, placed[a * per_agent + i], a, sources[a],
+                          args.rollout_engine,
+                          {**sampling, "stop_token_ids": (trainer.tokenizers[a].eos_token_id,)},
+                          engine_kwargs)
+                 for a in range(trainer.num_agents) for i in range(per_agent)}
+        self.pool = RolloutPool(specs, trainer.num_agents, per_agent)
+        self.pool.on_restart = self._on_worker_restart
+        if not self.for_eval:
+            self.learners = [
+                start_actor(with_learner_endpoint(Learner), placed[n_workers + a], a, sources[a],
+                            learning_rate=args.agent_learning_rate,
+                            train_batch_size=args.train_batch_size,
+                            loss_aggregation=args.loss_aggregation,
+                            advantage_mode=args.advantage_mode,
+                            advantage_normalization=args.advantage_normalization,
+                            reference_kl_coef=(args.reference_kl_coef
+                                               if args.reference_kl_enabled else None),
+                            device=args.learner_device_for(a, trainer.num_agents),
+                            threads=args.learner_threads or max(1, cores // trainer.num_agents))
+                for a in range(trainer.num_agents)]
+        if self.checkpoint_dir and not self.for_eval:
+            # `_checkpoint_before_publish`: a test hook run in the checkpointer just before
+            # a staged checkpoint is published (tests kill the run there).
+            self.checkpointer = start_actor(
+                Checkpointer, Placement(), self.checkpoint_dir, self.total_limit, self.run_uid,
+                getattr(trainer, "_checkpoint_before_publish", None))
+            ray_get(self.checkpointer.clean.remote(fresh_start=meta is None), "checkpointer")
+            self._warn_if_disk_is_short()
+        ray_get([w.get_version.remote() for w in self.pool.actors + self.learners],
+                "starting rollout workers and learners")
+        self.transport = self._connect_transport(plan)
+        self.pool.attach(self.learners, self.transport)
+        if meta is not None:
+            # Restore learners, then give every engine the restored weights before any rollout.
+            self.engine_versions = ray_get(
+                [learner.load.remote(str(Path(self.resume_path) / f"agent_{a}"))
+                 for a, learner in enumerate(self.learners)], "restoring learners")
+            self.push_weights()
+        self.wandb = self._open_wandb(meta)
+
+    def _open_wandb(self, meta: dict | None):
+        """The driver's W&B run. A resume continues the checkpoint's run (comlrl 1.4.3 does the
+        same when `wandb_config` names no id/resume), re-sends the rows the checkpoint covers
+        that the run's files lack, and never sends a step the run already holds."""
+        from comlrl.wandb_run import WandbRun, steps_on_disk
+
+        trainer = self.trainer
+        cfg = trainer.wandb_config
+        identity = (meta or {}).get("wandb") or trainer.last_wandb_identity
+        if isinstance(cfg, dict) and identity and "id" not in cfg and "resume" not in cfg:
+            cfg = {**cfg, "id": identity["id"], "resume": "allow",
+                   **{k: identity[k] for k in ("project", "entity")
+                      if identity.get(k) and not cfg.get(k)}}
+            trainer.wandb_config = cfg
+        floor, logged, rows = -1, None, []
+        if meta is not None and cfg is not None:
+            run_id = cfg.get("id") or identity.get("id")
+            logged = steps_on_disk(run_id, cfg) if run_id else None
+            journal = read_journal(self.checkpoint_dir, run_id) if self.checkpoint_dir else -1
+            floor = max(int(meta.get("last_logged_step", -1)), journal)
+            rows = meta.get("wandb_rows", [])
+        run_config = {"algorithm": trainer.algorithm_name, "num_agents": trainer.num_agents,
+                      **{k: v for k, v in trainer.args.to_dict().items() if k != "extra"}}
+        run = WandbRun(cfg, run_config, self.checkpoint_dir, floor, logged, rows)
+        run.start()
+        trainer.last_wandb_identity = run.identity or trainer.last_wandb_identity
+        return run
+
+    def _connect_transport(self, plan: dict):
+        """The weight transport `plan` chose, connected to every learner and its workers.
+
+        With weight_transport='auto', a GPU transport that cannot be set up falls back to the
+        object store with a warning; an explicit choice fails instead."""
+        import warnings
+
+        from workers.transport import ObjectStoreTransport, make_transport
+
+        args = self.trainer.args
+        gpus = plan["learner"].num_gpus > 0 and plan["rollout"].num_gpus > 0
+        transport = make_transport(plan["transport"], backend="nccl" if gpus else "gloo",
+                                   bucket_bytes=args.weight_bucket_bytes)
+        try:
+            for a, learner in enumerate(self.learners):
+                transport.connect(a, learner, self.workers[a])
+        except Exception as exc:
+            if args.weight_transport != "auto":
+                raise
+            warnings.warn(f"weight_transport='auto' chose {transport.name!r}, which could not "
+                          f"be set up ({exc}); pushing weights through the Ray object store.")
+            transport = ObjectStoreTransport()
+        return transport
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Stop everything, each step whatever the others did. W&B is told the truth: a run
+        that failed or was stopped finishes with a nonzero exit code."""
+        from workers.launch import kill_actors, remove_placement
+
+        if exc_type is None:
+            exit_code = 0
+        elif issubclass(exc_type, SystemExit):
+            exit_code = exc.code if isinstance(exc.code, int) and exc.code else 1
+        else:
+            exit_code = 1
+        steps = [self.wait_checkpoint,
+                 lambda: self.wandb is not None and self.wandb.finish(exit_code),
+                 lambda: kill_actors(self.actors),
+                 lambda: remove_placement(self.placement_group),
+                 lambda: self.tmp is not None and self.tmp.cleanup()]
+        first_error = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as error:  # noqa: BLE001 - the rest must still run
+                first_error = first_error or error
+        self.pool, self.learners, self.checkpointer = None, [], None
+        if first_error is not None and exc_type is None:
+            raise first_error
+
+    def progress_bar(self, total: int):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="MAGRPO", unit="prompt",
+                    disable=not self.trainer.args.verbose, dynamic_ncols=True)
+
+    # ---- generation (comlrl.rollout calls this)
+
+    def generate(self, requests_per_agent: list[list[dict]], record: StepRecord) -> list[list]:
+        """Every agent's requests in one round of engine calls (`RolloutPool.generate`)."""
+        result = self.pool.generate(requests_per_agent)
+        record.generation += result["seconds"]
+        record.tokens += result["tokens"]
+        record.policy_versions.update(result["policy_versions"])
+        return result["outputs"]
+
+    # ---- learning and weight push
+
+    def update_and_push(self, episodes: list[Episode], record: StepRecord) -> None:
+        from workers.launch import ray_get
+
+        args = self.trainer.args
+        # Engines release their GPU memory before the learners train (single_gpu preset).
+        self.sleep_engines()
+        refs = []
+        for a, learner in enumerate(self.learners):
+            groups = [g for ep in episodes for g in ep.learner_groups(a, args)]
+            seed = magrpo.derive_seed(args.seed, "shuffle", self.learner_updates, a)
+            refs.append(learner.update.remote(groups, seed))
+        start = time.perf_counter()
+        record.learner = ray_get(refs, "learners updating")
+        record.learning = time.perf_counter() - start
+        self.learner_updates += 1
+        start = time.perf_counter()
+        self.push_weights()
+        record.weight_sync = time.perf_counter() - start
+
+    def push_weights(self) -> None:
+        """Every learner's current weights to each of its agent's engines (`workers.transport`);
+        a worker found dead is restarted, which gives it these same weights."""
+        from workers.launch import ray_get
+
+        self.wake_engines()
+        versions = ray_get([l.get_version.remote() for l in self.learners], "learners")
+        self.pool.push(versions)
+        self.engine_versions = list(versions)
+
+    def sleep_engines(self) -> None:
+        """Put every engine to sleep before the learners train (vLLM sleep mode releases its
+        GPU memory; needed when learner and engines share a GPU, e.g. single_gpu). No-op
+        unless `enable_sleep_mode`. Engines wake in `push_weights` or on their next call."""
+        if self.trainer.args.enable_sleep_mode:
+            self.pool.call_every_worker("sleep")
+
+    def wake_engines(self) -> None:
+        """Wake every engine (no-op unless `enable_sleep_mode`)."""
+        if self.trainer.args.enable_sleep_mode:
+            self.pool.call_every_worker("wake")
+
+    def _on_worker_restart(self, message: str) -> None:
+        import warnings
+
+        self.pending_metrics["rollout/restarts"] = self.pool.restarts
+        warnings.warn(message)
+
+    # ---- logging
+
+    def log(self, metrics: dict, step: int) -> None:
+        # Events such as rollout/restarts ride along with the next point that is sent.
+        metrics = {**metrics, **self.pending_metrics}
+        if metrics and self.wandb is not None and self.wandb.log(metrics, step):
+            self.pending_metrics = {}
+
+    def log_step(self, episodes: list[Episode], record: StepRecord, extra: dict) -> None:
+        """The step's training metrics (every `logging_steps` env_steps) plus `extra`."""
+        step = self.trainer.env_step
+        if self.last_train_log >= 0 and step - self.last_train_log < self.trainer.args.logging_steps:
+            self.log(extra, step)
+            return
+        self.last_train_log = step
+        self.log({**extra, **step_metrics(episodes, record, self.trainer.args, self.epoch)}, step)
+
+    # ---- checkpoints
+
+    def save_checkpoint(self) -> None:
+        """Learners write their folders into a staging dir; the checkpointer publishes it."""
+        from workers.launch import ray_get
+
+        self.wait_checkpoint()
+        self._warn_if_disk_is_short()
+        staging = ray_get(self.checkpointer.begin.remote(self.epoch), "checkpointer")
+        try:
+            ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
+                     for a, learner in enumerate(self.learners)], "learners saving")
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, a dead learner
+            # e.g. a full disk: the checkpointer removes the staging folder and raises an
+            # error naming checkpoint_dir and the bytes needed; earlier checkpoints stay.
+            ray_get(self.checkpointer.abort.remote(self.epoch, f"{type(exc).__name__}: {exc}"),
+                    "checkpointer")
+            raise
+        metadata = {
+            "env_step": self.trainer.env_step, "epoch": self.epoch,
+            "update_index": self.learner_updates,
+            "last_logged_step": self.wandb.last_step, "last_train_log": self.last_train_log,
+            "wandb_rows": self.wandb.rows,   # durable with the checkpoint (wandb_run.py)
+            "policy_versions": list(self.engine_versions),
+            "wandb": self.wandb.identity or {}, "run_uid": self.run_uid,
+            "fingerprints": self.fingerprints, "created": time.time(),
+        }
+        self.pending_checkpoint = self.checkpointer.commit.remote(self.epoch, metadata)
+
+    def _warn_if_disk_is_short(self) -> None:
+        import warnings
+
+        from workers.launch import ray_get
+
+        text = ray_get(self.checkpointer.free_space_warning.remote(), "checkpointer")
+        if text:
+            warnings.warn(text)
+
+    def wait_checkpoint(self) -> str | None:
+        from workers.launch import ray_get
+
+        if self.pending_checkpoint is None:
+            return None
+        ref, self.pending_checkpoint = self.pending_checkpoint, None
+        return ray_get(ref, "checkpointer writing")
+
+    def pull_weights(self) -> None:
+        """Copy the learners' final weights into the trainer's agents (for save_model)."""
+        import torch
+
+        from workers.launch import ray_get
+
+        states = ray_get([l.get_weights.remote() for l in self.learners], "learners")
+        with torch.no_grad():
+            for model, state in zip(self.trainer._initial_models(), states):
+                model.load_state_dict(state, strict=False)
