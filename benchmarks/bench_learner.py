@@ -18,7 +18,6 @@ two agree to ~1e-14.)
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
@@ -163,9 +162,7 @@ def bench_size(size: str, reps: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--short", action="store_true", help="smallest model, 2 timed repeats")
-    p.add_argument("--sizes", help=f"comma list of {', '.join(bl.SIZES)} (default: all)")
+    p = bl.size_parser(__doc__, "smallest model, 2 timed repeats")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: what each of the 2 learner actors gets here)")

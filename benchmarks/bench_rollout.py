@@ -77,10 +77,7 @@ def child(engine_name: str, size: str, batches: list[int], repeats: int, threads
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--short", action="store_true",
-                   help="smallest model, batches 1 and 4, 1 timed call each")
-    p.add_argument("--sizes", help=f"comma list of {', '.join(bl.SIZES)} (default: all)")
+    p = bl.size_parser(__doc__, "smallest model, batches 1 and 4, 1 timed call each")
     p.add_argument("--batches", default="1,4,16", help="prompts per call (n=4 each)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per batch size")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")

@@ -18,7 +18,6 @@ copy GB/s, and one forward+backward of each model over 16 sequences of 80 tokens
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
+from examples.training_curve import wandb_history  # noqa: E402
 
 bl.apply_env()
 
@@ -89,23 +89,6 @@ def ensure_comlrl_venv() -> dict:
 
 
 # ---------------------------------------------------------------- one side, one run
-
-
-def wandb_history(wandb_dir: Path) -> list[dict]:
-    """History rows of the single offline run under `wandb_dir`."""
-    files = sorted(Path(wandb_dir).glob("wandb/offline-run-*/*.wandb"))
-    if not files:
-        return []
-    exe = Path(sys.executable).parent / "wandb"
-    out = subprocess.run([str(exe), "leet", "inspect", "--json", str(files[-1])],
-                         capture_output=True, text=True, check=True)
-    rows = []
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            if rec.get("type") == "history":
-                rows.append(dict(rec["history"]["item"]))
-    return rows
 
 
 def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bool,
@@ -310,10 +293,8 @@ def print_tables(runs: dict, sizes: list[str], sides: list[str], counts: dict,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--short", action="store_true",
-                   help="smallest model, 1 repeat, 2 epochs (a quick check, under a minute)")
-    p.add_argument("--sizes", help=f"comma list of {', '.join(bl.SIZES)} (default: all)")
+    p = bl.size_parser(__doc__,
+                       "smallest model, 1 repeat, 2 epochs (a quick check, under a minute)")
     p.add_argument("--repeats", type=int, default=3, help="runs per side (median, spread)")
     p.add_argument("--epochs", type=int, default=None,
                    help=f"epochs per run (default {DEFAULT_EPOCHS}); epoch 1 is warm-up")

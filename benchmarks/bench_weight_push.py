@@ -18,7 +18,6 @@ and spread of --repeats pushes after one warm-up push. Also: one empty actor cal
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -111,9 +110,7 @@ def bench_size(size: str, repeats: int, threads: int, agents: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--short", action="store_true", help="smallest model, 2 timed pushes")
-    p.add_argument("--sizes", help=f"comma list of {', '.join(bl.SIZES)} (default: all)")
+    p = bl.size_parser(__doc__, "smallest model, 2 timed pushes")
     p.add_argument("--repeats", type=int, default=5, help="timed pushes per size")
     p.add_argument("--threads", type=int, default=1, help="torch threads per actor")
     p.add_argument("--agents", type=int, default=2,

@@ -5,6 +5,7 @@ Every benchmark imports this first: `apply_env()` must run before Ray, vLLM or W
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,24 +16,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks run as scripts; `examples.*` lives at the root
+    sys.path.insert(0, str(ROOT))
+from examples.local_env import LOCAL_ENV  # noqa: E402
+
 BENCH_DIR = ROOT / "benchmarks"
 RESULTS_DIR = BENCH_DIR / "results"
 MODELS_DIR = BENCH_DIR / ".models"
 
-# Every benchmark process (and every process it starts) runs with these: Ray on loopback,
-# no auth, no usage reporting, vLLM/W&B/HF never call out, W&B offline.
+# Every benchmark process (and every process it starts) runs with these: the tests' local,
+# offline environment (examples/local_env.py) plus a Ray temp dir of our own.
 BENCH_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "WANDB_MODE": "offline",
-    "WANDB_SILENT": "true",
-    "TOKENIZERS_PARALLELISM": "false",
+    **LOCAL_ENV,
     # A Ray temp dir of our own: a plain ray.init() joins any cluster that `ray start` left
     # in /tmp/ray (its address file), and the trainer's local ray.init(num_cpus=...) then
     # fails with "When connecting to an existing cluster, num_cpus ... must not be provided".
@@ -53,6 +48,15 @@ SIZES = {
 
 def apply_env() -> None:
     os.environ.update(BENCH_ENV)
+
+
+def size_parser(doc: str, short_help: str) -> argparse.ArgumentParser:
+    """A benchmark's command line, starting with the options they all have: --short (what it
+    then runs is `short_help`) and --sizes (read with `parse_sizes`)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--short", action="store_true", help=short_help)
+    p.add_argument("--sizes", help=f"comma list of {', '.join(SIZES)} (default: all)")
+    return p
 
 
 def parse_sizes(text: str | None, short: bool) -> list[str]:

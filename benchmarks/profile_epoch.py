@@ -13,7 +13,6 @@ each wait is Ray and transfer overhead. Steady epochs (2..N) are reported, media
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import tempfile
@@ -163,20 +162,13 @@ def run(size: str, epochs: int, checkpoint: bool) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+    from examples.rewards import length_ratio_reward
 
     model_name = str(bl.model_path(size))
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     train_dataset = Dataset.from_dict({"prompt": [
         "Describe a city in the clouds:", "Invent a new holiday and explain it:",
         "Write a bedtime story for a dragon:", "Design a playground on Mars:"]})
-
-    def length_ratio_reward(completions1, completions2):
-        rewards = []
-        for first, second in zip(completions1, completions2):
-            ratio = len(second) / max(len(first), 1)
-            distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
-            rewards.append(math.exp(-distance))
-        return rewards
 
     config = MAGRPOConfig(num_turns=1, num_train_epochs=epochs, num_generations=4,
                           max_new_tokens=64, logging_steps=1)

@@ -2,7 +2,9 @@
 
 bench_seed.py runs this very file twice: with this project's virtualenv and with one holding
 comlrl 1.4.3. Both import `comlrl` the same way, so the only difference is the library. It
-imports nothing from this repository and writes its timestamps (time.time()) to --out.
+imports nothing of this repository's library (the seed example's reward is loaded from the
+file examples/rewards.py, leaving `comlrl` to the virtualenv) and writes its timestamps
+(time.time()) to --out.
 
     python seed_user_script.py --model DIR --epochs N --out times.json [--checkpoint-dir D]
 """
@@ -12,9 +14,10 @@ import time
 T_PROCESS = time.time()
 
 import argparse
+import importlib.util
 import json
-import math
 import os
+from pathlib import Path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
@@ -42,15 +45,13 @@ train_dataset = Dataset.from_dict({
     ]
 })
 
-
-def length_ratio_reward(completions1, completions2):
-    rewards = []
-    for first, second in zip(completions1, completions2):
-        ratio = len(second) / max(len(first), 1)
-        distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
-        rewards.append(math.exp(-distance))
-    return rewards
-
+# The seed example's reward, from its one copy. Loaded by file path, not by putting the
+# repository on sys.path, which would make `comlrl` this repository's on both sides.
+rewards_file = Path(__file__).resolve().parents[1] / "examples" / "rewards.py"
+spec = importlib.util.spec_from_file_location("seed_example_rewards", rewards_file)
+rewards = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rewards)
+length_ratio_reward = rewards.length_ratio_reward
 
 config = MAGRPOConfig(
     num_turns=1,

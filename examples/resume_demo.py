@@ -2,15 +2,20 @@
 
 One change only, as the example allows: `model_name` comes from `--model` or COMLRL_MODEL and
 defaults to a tiny random-weight Qwen2-style model built on the spot (no hub is reachable).
-W&B runs offline unless WANDB_MODE says otherwise.
+W&B runs offline unless WANDB_MODE says otherwise. The reward is the example's, imported from
+examples/rewards.py (its one copy in this repository). After training, the run's curve is read
+back from its W&B files and drawn into <output folder>/training-curve.png (needs matplotlib).
 
     python examples/resume_demo.py [--model PATH] [--output-dir DIR] [--first-half-only]
 """
 
 import argparse
-import math
 import os
+import sys
 from pathlib import Path
+
+# This file runs as a script; the repository root makes `examples.*` importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default=os.environ.get("COMLRL_MODEL"),
@@ -71,14 +76,7 @@ train_dataset = Dataset.from_dict({
     ]
 })
 
-
-def length_ratio_reward(completions1, completions2):
-    rewards = []
-    for first, second in zip(completions1, completions2):
-        ratio = len(second) / max(len(first), 1)
-        distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
-        rewards.append(math.exp(-distance))
-    return rewards
+from examples.rewards import length_ratio_reward
 
 
 def build_trainer(num_train_epochs, wandb_config):
@@ -122,4 +120,38 @@ if not cli.first_half_only:
         checkpoint_interval=1,
     )
     print("checkpoints:", sorted(p.name for p in Path(checkpoint_dir).glob("checkpoint-*")))
-print(f"W&B files: {sorted(str(p) for p in (out / 'wandb').glob('offline-run-*'))}")
+
+# ---------------------------------------------------------------- the training curve, as a PNG
+
+wandb_dir = Path(os.environ["WANDB_DIR"])
+print(f"W&B files: {sorted(str(p) for p in (wandb_dir / 'wandb').glob('offline-run-*'))}")
+
+
+def draw_training_curve():
+    """Reward against env_step, read back from the run's W&B files: the first half and the
+    resumed half in two colours, the resume point marked."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print('training curve: not drawn, matplotlib is missing; install it with '
+              '`.venv/bin/pip install -e ".[plot]"` (deploy/setup.sh does)')
+        return
+    from examples.training_curve import REWARD_KEY, plot_training_curve, wandb_history
+
+    newest = list_checkpoints(checkpoint_dir)[-1]
+    run_id = (read_checkpoint_metadata(newest)["wandb"] or {}).get("id")
+    records = wandb_history(wandb_dir, run_id) if run_id else []
+    if not any(REWARD_KEY in r for r in records):
+        print(f"training curve: not drawn, no {REWARD_KEY} in the W&B files under {wandb_dir}")
+        return
+    resume_step = resume_label = None
+    if not cli.first_half_only:
+        resume_step = read_checkpoint_metadata(checkpoint)["env_step"]
+        resume_label = f"resumed from {checkpoint.name} (env_step {resume_step})"
+    png = plot_training_curve(records, out / "training-curve.png", resume_step=resume_step,
+                              resume_label=resume_label,
+                              title="resume-demo: reward during training")
+    print(f"training curve: {png}")
+
+
+draw_training_curve()

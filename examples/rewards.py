@@ -2,6 +2,9 @@
 
 A reward function gets one list of completions per agent (positionally) and returns one float
 per joint action, as in comlrl. `workers.cli` imports this module by name from the working dir.
+
+`length_ratio_reward` is the seed example's reward and this is its one copy: the demo, the
+tests and the benchmarks import it from here.
 """
 
 import math

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
+from examples.rewards import length_ratio_reward
 from tests.conftest import wandb_history
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
            "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
-
-
-def length_ratio_reward(completions1, completions2):
-    rewards = []
-    for first, second in zip(completions1, completions2):
-        ratio = len(second) / max(len(first), 1)
-        distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
-        rewards.append(math.exp(-distance))
-    return rewards
 
 
 def short_text_reward(completions1, completions2):

@@ -10,14 +10,18 @@ Writes the node id of every actor, seen from inside the actors during training.
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: examples.*
+from examples.local_env import LOCAL_ENV  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
 parser.add_argument("--out", required=True)
 cli = parser.parse_args()
 
-for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                   "RAY_USAGE_STATS_ENABLED": "0", "WANDB_MODE": "offline"}.items():
+for key, value in LOCAL_ENV.items():
     os.environ.setdefault(key, value)
 
 import ray
