@@ -14,6 +14,9 @@ parser.add_argument("--checkpoint-dir", required=True)
 parser.add_argument("--epochs", type=int, required=True)
 parser.add_argument("--resume", default=None)
 parser.add_argument("--name", default="seed")
+parser.add_argument("--pause-before-publish", type=float, default=0.0,
+                    help="seconds the checkpointer holds each staged checkpoint before "
+                         "publishing it (tests kill the run meanwhile)")
 parser.add_argument("--override", action="append", default=[],
                     help="MAGRPOConfig field=value (python literal)")
 cli = parser.parse_args()
@@ -39,8 +42,9 @@ for item in cli.override:
 wandb_config = {"project": "comlrl-tests", "name": cli.name}
 resume = cli.resume
 if resume == "latest":
-    resume = str(max(Path(cli.checkpoint_dir).glob("checkpoint-*"),
-                     key=lambda p: int(p.name.rsplit("-", 1)[1])))
+    from comlrl.checkpoint import list_checkpoints
+
+    resume = str(list_checkpoints(cli.checkpoint_dir)[-1])
 if resume:
     wandb_config = {**wandb_config, **read_checkpoint_metadata(resume)["wandb"],
                     "resume": "allow"}
@@ -49,6 +53,11 @@ trainer = MAGRPOTrainer(
     tokenizer=AutoTokenizer.from_pretrained(cli.model), reward_func=length_ratio_reward,
     train_dataset=Dataset.from_dict({"prompt": PROMPTS}), args=MAGRPOConfig(**settings),
     wandb_config=wandb_config)
+if cli.pause_before_publish:
+    import time
+
+    pause = cli.pause_before_publish
+    trainer._checkpoint_before_publish = lambda staging: time.sleep(pause)
 trainer.train(checkpoint_dir=cli.checkpoint_dir, checkpoint_interval=1,
               resume_from_checkpoint=resume)
 print(f"DONE env_step={trainer.env_step} pid={os.getpid()}")

@@ -193,14 +193,16 @@ def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model
 
 def test_kill_while_checkpoint_is_written_keeps_earlier_ones(tiny_model, tmp_path):
     ckpt = tmp_path / "ckpt"
-    env = _env(tmp_path / "wandb", COMLRL_CHECKPOINT_PAUSE_S="3")
-    proc = subprocess.Popen(_seed_cmd(tiny_model, ckpt, 2, None, "max_new_tokens=8"), env=env,
+    env = _env(tmp_path / "wandb")
+    cmd = _seed_cmd(tiny_model, ckpt, 2, None, "max_new_tokens=8") + \
+        ["--pause-before-publish", "3"]
+    proc = subprocess.Popen(cmd, env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
         staging = ckpt / ".staging-checkpoint-2"
-        while not (staging / "driver_state.pt").exists() and time.time() < deadline:
+        while not (staging / "metadata.json").exists() and time.time() < deadline:
             assert proc.poll() is None, "run ended before checkpoint-2 was staged"
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -327,6 +329,7 @@ def test_checkpoint_agent_folder_loads_with_from_pretrained(straight, tiny_model
     learner.load(str(ckpt / "agent_0"))
     ids = [[5, 6, 7, 8, 9, 10]]
     with torch.no_grad():
-        assert torch.equal(model(torch.tensor(ids)).logits, learner.logits(ids))
+        want = model(torch.tensor(ids)).logits
+        assert torch.equal(want, learner.model(torch.tensor(ids)).logits)
     meta = read_checkpoint_metadata(ckpt)
     assert meta["policy_versions"] == [8, 8] and learner.version == 8
