@@ -28,10 +28,13 @@ def run_evaluation(trainer: Any, session: Any, num_eval_samples: int | None = No
     rewards = [[ep.nodes[t].rewards[0] if t < len(ep.nodes) else 0.0 for t in range(turns)]
                for ep in episodes]
     metrics: dict[str, float] = {}
+    # The return from turn t on, discounted as training's returns are (comlrl 1.4.3 applies
+    # `discount` nowhere; README "Differences").
     for t in range(turns):
         metrics[f"eval/turn_{t + 1}/reward_mean"] = sum(r[t] for r in rewards) / len(rewards)
-        metrics[f"eval/turn_{t + 1}/expected_return"] = (
-            sum(sum(r[t:]) for r in rewards) / len(rewards))
+        metrics[f"eval/turn_{t + 1}/expected_return"] = sum(
+            sum(args.discount ** i * x for i, x in enumerate(r[t:])) for r in rewards
+        ) / len(rewards)
     if trainer.eval_logger is not None and trainer.eval_aggregator is not None:
         completions = [[[node.texts[a][0] for node in ep.nodes] for ep in episodes]
                        for a in range(trainer.num_agents)]

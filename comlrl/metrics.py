@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from comlrl.rollout import Episode, StepRecord
+from comlrl.rollout import Node, StepRecord
 
 
-def turn_stats(episodes: list[Episode]) -> list[tuple[float, float, int]]:
+def turn_stats(nodes: list[Node]) -> list[tuple[float, float, int]]:
     """Per turn: mean of node mean rewards, mean of node mean returns, node count."""
     per_turn: dict[int, list[tuple[float, float]]] = {}
-    for ep in episodes:
-        for node in ep.nodes:
-            per_turn.setdefault(node.turn, []).append(
-                (sum(node.rewards) / len(node.rewards), sum(node.returns) / len(node.returns)))
+    for node in nodes:
+        per_turn.setdefault(node.turn, []).append(
+            (sum(node.rewards) / len(node.rewards), sum(node.returns) / len(node.returns)))
     out = []
     for turn in range(max(per_turn) + 1 if per_turn else 0):
         vals = per_turn.get(turn, [])
@@ -26,12 +25,12 @@ def turn_stats(episodes: list[Episode]) -> list[tuple[float, float, int]]:
     return out
 
 
-def step_metrics(episodes: list[Episode], record: StepRecord, args: Any,
+def step_metrics(nodes: list[Node], record: StepRecord, args: Any,
                  epoch: int) -> dict[str, float]:
-    """Rewards and returns per turn, reference KL, per-agent loss / length / policy version,
-    timings and throughput of one step (`epoch` counts from 0)."""
+    """Rewards and returns per turn of the nodes an update trained on, reference KL,
+    per-agent loss / length / policy version, timings and throughput (`epoch` from 0)."""
     metrics: dict[str, float] = {}
-    for turn, (reward_mean, expected_return, n) in enumerate(turn_stats(episodes)):
+    for turn, (reward_mean, expected_return, n) in enumerate(turn_stats(nodes)):
         if n:
             metrics[f"turn_{turn + 1}/reward_mean"] = reward_mean
             metrics[f"turn_{turn + 1}/expected_return"] = expected_return
@@ -41,7 +40,7 @@ def step_metrics(episodes: list[Episode], record: StepRecord, args: Any,
         metrics[f"turn_{turn + 1}/reference_kl_mean"] = mean
         metrics[f"turn_{turn + 1}/reference_kl_penalty_mean"] = args.reference_kl_coef * mean
     for a, res in enumerate(record.learner):
-        lengths = [len(c) for ep in episodes for node in ep.nodes for c in node.token_ids[a]]
+        lengths = [len(c) for node in nodes for c in node.token_ids[a]]
         metrics[f"agent_{a}/loss"] = res["loss"]
         metrics[f"agent_{a}/completion_length"] = sum(lengths) / max(len(lengths), 1)
         metrics[f"agent_{a}/policy_version"] = record.policy_versions.get(a, 0)

@@ -62,22 +62,19 @@ class Episode:
         return out
 
     def learner_groups(self, agent: int, args: Any) -> list[dict]:
-        """One group per node for `agent`: its K completions and their returns.
+        """One group per node of this episode for `agent` (`learner_group`)."""
+        return [learner_group(node, agent, args) for node in self.nodes]
 
-        The learner turns returns into advantages (after the reference-KL penalty, which needs
-        the learner's models)."""
-        groups = []
-        for node in self.nodes:
-            k = len(node.token_ids[agent])
-            returns = magrpo.per_agent_returns(node.returns, node.combos, agent, k, args.cross)
-            groups.append({"prompt_ids": node.prompt_ids[agent],
-                           "completions": node.token_ids[agent], "returns": returns,
-                           "turn": node.turn})
-        return groups
 
-    def turn_means(self) -> list[tuple[float, float]]:
-        return [(sum(n.rewards) / len(n.rewards), sum(n.returns) / len(n.returns))
-                for n in self.nodes]
+def learner_group(node: Node, agent: int, args: Any) -> dict:
+    """What `agent`'s learner trains on for one node: its K completions and their returns.
+
+    The learner turns returns into advantages (after the reference-KL penalty, which needs the
+    learner's models)."""
+    k = len(node.token_ids[agent])
+    return {"prompt_ids": node.prompt_ids[agent], "completions": node.token_ids[agent],
+            "returns": magrpo.per_agent_returns(node.returns, node.combos, agent, k, args.cross),
+            "turn": node.turn}
 
 
 def format_prompt(trainer: Any, agent: int, row: dict, external: str | None) -> str:

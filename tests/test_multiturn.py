@@ -75,11 +75,13 @@ def test_two_turn_tree_matches_values_worked_out_by_hand(ray_session, tiny_model
                           models=models,
                           early_termination_threshold=None, external_transition=rec.transition)
     trainer.train()
-    # Per prompt: a root (K=2 joint rewards) and one child per joint action (2 x 2).
+    # Per prompt: a root (K=2 joint rewards) and one child per joint action (2 x 2). As in
+    # comlrl, a prompt's whole tree is grown before the next prompt is sampled.
     assert len(rec.rewards) == 2 + 4 and all(len(r[2]) == 2 for r in rec.rewards)
     assert len(rec.transitions) == 4
     assert trainer.env_step == 2 * (2 + 2 * 2)
-    roots, children = rec.rewards[:2], rec.rewards[2:]   # turn by turn, prompt order
+    roots = [rec.rewards[0], rec.rewards[3]]
+    children = [rec.rewards[1], rec.rewards[2], rec.rewards[4], rec.rewards[5]]
     for t_i, tr in enumerate(rec.transitions):
         p, j = divmod(t_i, 2)
         c1, c2, _ = roots[p]
@@ -93,15 +95,20 @@ def test_two_turn_tree_matches_values_worked_out_by_hand(ray_session, tiny_model
         r = roots[p][2]
         root_returns.append([r[j] + discount * sum(children[2 * p + j][2]) / 2 for j in range(2)])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    history = wandb_history(wandb_dir)
-    assert [h["_step"] for h in history] == [12]
-    h = history[0]
-    assert h["turn_1/reward_mean"] == pytest.approx(mean([mean(r[2]) for r in roots]), abs=1e-9)
-    assert h["turn_1/expected_return"] == pytest.approx(mean([mean(r) for r in root_returns]),
-                                                        abs=1e-9)
-    assert h["turn_2/reward_mean"] == pytest.approx(mean([mean(c[2]) for c in children]),
-                                                    abs=1e-9)
-    assert h["turn_2/expected_return"] == pytest.approx(h["turn_2/reward_mean"], abs=1e-9)
+    # Updates every 2 tree nodes (comlrl's rollout_buffer_size counts nodes), each logged at
+    # its newest node's env_step: {p1 root, p1 child 0} at 4, {p1 child 1, p2 root} at 8,
+    # {p2 child 0, p2 child 1} at 12.
+    history = {h["_step"]: h for h in wandb_history(wandb_dir)}
+    assert sorted(history) == [4, 8, 12]
+    for step, p in ((4, 0), (8, 1)):
+        h = history[step]
+        assert h["turn_1/reward_mean"] == pytest.approx(mean(roots[p][2]), abs=1e-9)
+        assert h["turn_1/expected_return"] == pytest.approx(mean(root_returns[p]), abs=1e-9)
+        assert h["turn_2/reward_mean"] == pytest.approx(mean(children[p][2]), abs=1e-9)
+        assert h["turn_2/expected_return"] == pytest.approx(h["turn_2/reward_mean"], abs=1e-9)
+    assert "turn_1/reward_mean" not in history[12]
+    assert history[12]["turn_2/reward_mean"] == pytest.approx(
+        mean([mean(children[2][2]), mean(children[3][2])]), abs=1e-9)
 
 
 def test_cross_mode_nine_joint_rewards_per_prompt(ray_session, tiny_model, wandb_dir):
@@ -210,3 +217,45 @@ def test_multiturn_resume_is_bit_identical_and_save_model_loads(ray_session, tin
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, second.agents[1](ids).logits)
     assert not math.isnan(float(want[max(want)]["turn_1/reward_mean"]))
+
+
+@pytest.mark.parametrize("buffer,batch,want", [
+    # comlrl 1.4.3, run on a tiny model with optimizer.step and generation recorded
+    # (2 prompts, 2 turns, K=2, no early termination): rollout_buffer_size counts tree nodes;
+    # a full buffer is drained part-way through the data, one optimizer step per turn present
+    # (per train_batch_size groups), the rest at the epoch's end. Per agent:
+    (2, None, ["sample 0", [0, 1], "sample 1", [0, 1], [1]]),      # 5 steps
+    (1, None, ["sample 0", [0], [1], [1], "sample 1", [0], [1], [1]]),  # 6 steps
+    (2, 1, ["sample 0", [0, 1], "sample 1", [0, 1], [1, 1]]),      # 6 steps
+])
+def test_multiturn_update_cadence_matches_comlrl(ray_session, tiny_model, monkeypatch,
+                                                 buffer, batch, want):
+    """The number and order of optimizer steps, and where prompts are sampled between them,
+    are comlrl's: e.g. with rollout_buffer_size=2, comlrl samples prompt 1's tree, steps on
+    its root and first child, samples prompt 2, steps on prompt 1's second child and prompt
+    2's root, then on prompt 2's children (5 steps per agent, prompt 2 drawn after 2)."""
+    import comlrl.trainers.reinforce.magrpo as trainer_module
+    from workers.session import Session
+
+    events = []
+    sample = trainer_module.run_episode_batch
+    update = Session.update_and_push
+
+    def sample_and_note(trainer, session, epoch, rows, record, **kw):
+        events.extend(f"sample {i}" for i in rows)
+        return sample(trainer, session, epoch, rows, record, **kw)
+
+    def update_and_note(session, nodes, record):
+        update(session, nodes, record)
+        steps = [res["optimizer_steps"] for res in record.learner]
+        assert steps[0] == steps[1]          # both agents take the same steps
+        events.append(steps[0])
+
+    monkeypatch.setattr(trainer_module, "run_episode_batch", sample_and_note)
+    monkeypatch.setattr(Session, "update_and_push", update_and_note)
+    rec = Recorder()
+    trainer = trainer_for(tiny_model, TWO_PROMPTS, rec.reward, wandb=False, num_turns=2,
+                          early_termination_threshold=None, external_transition=rec.transition,
+                          rollout_buffer_size=buffer, train_batch_size=batch)
+    trainer.train()
+    assert events == want

@@ -115,3 +115,24 @@ def test_cross_mode_calls_reward_once_with_k_to_the_n_joint_actions():
     # agent 0 completion 0 is in joint actions (0,0),(0,1): 11 + 12; completion 1: 21 + 22
     assert groups[0]["returns"] == [23.0, 43.0]
     assert eps[0].learner_groups(1, trainer.args)[0]["returns"] == [11.0 + 21.0, 12.0 + 22.0]
+
+
+def test_evaluation_returns_are_discounted_like_training_returns():
+    """Training returns use `discount` (reward + discount * mean child return); evaluation's
+    expected_return from turn t must use it too, or the two disagree (comlrl 1.4.3 ignores
+    `discount` in both). One sampled path: rewards r1, r2 give r1 + 0.5 * r2 at turn 1."""
+    from comlrl.evaluation import run_evaluation
+
+    def transition(prompt, agent_completions, num_agents, prompt_history_per_agent,
+                   response_history_per_agent):
+        return ["next one", "next two"]
+
+    trainer = make_trainer(sum_len_reward, transition, num_turns=2, discount=0.5,
+                           early_termination_threshold=None, eval_batch_size=2)
+    trainer.eval_rows, trainer.eval_logger, trainer.eval_aggregator = (
+        trainer.train_rows, None, None)
+    metrics = run_evaluation(trainer, FakeSession(), 2)
+    # One sample per agent: completion 0 has 1 token per agent, so every reward is 2.0.
+    assert metrics["eval/turn_1/reward_mean"] == metrics["eval/turn_2/reward_mean"] == 2.0
+    assert metrics["eval/turn_2/expected_return"] == 2.0
+    assert metrics["eval/turn_1/expected_return"] == 2.0 + 0.5 * 2.0

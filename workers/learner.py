@@ -109,7 +109,9 @@ class Learner:
             tokens += int(target.sum().item())
         self.version += 1
         out: dict[str, Any] = {"loss": sum(losses) / len(losses), "trained_tokens": tokens,
-                               "version": self.version}
+                               "version": self.version,
+                               "optimizer_steps": [int(groups[b[0]].get("turn", 0))
+                                                   for b in batches]}  # turn of each step
         if kls is not None:
             per_turn: dict[int, list[float]] = {}
             for g, k in zip(groups, kls):

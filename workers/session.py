@@ -19,7 +19,7 @@ from comlrl import magrpo
 from comlrl.checkpoint import compare_fingerprints, read_journal
 from comlrl.config import RESUMABLE_FIELDS
 from comlrl.metrics import step_metrics
-from comlrl.rollout import Episode, StepRecord
+from comlrl.rollout import Node, StepRecord, learner_group
 
 
 class Session:
@@ -272,7 +272,8 @@ class Session:
 
     # ---- learning and weight push
 
-    def update_and_push(self, episodes: list[Episode], record: StepRecord) -> None:
+    def update_and_push(self, nodes: list[Node], record: StepRecord) -> None:
+        """One update of every learner on `nodes` (comlrl's drained buffer), then the push."""
         from workers.launch import ray_get
 
         args = self.trainer.args
@@ -280,7 +281,7 @@ class Session:
         self.sleep_engines()
         refs = []
         for a, learner in enumerate(self.learners):
-            groups = [g for ep in episodes for g in ep.learner_groups(a, args)]
+            groups = [learner_group(node, a, args) for node in nodes]
             seed = magrpo.derive_seed(args.seed, "shuffle", self.learner_updates, a)
             refs.append(learner.update.remote(groups, seed))
         start = time.perf_counter()
@@ -327,14 +328,14 @@ class Session:
         if metrics and self.wandb is not None and self.wandb.log(metrics, step):
             self.pending_metrics = {}
 
-    def log_step(self, episodes: list[Episode], record: StepRecord, extra: dict) -> None:
-        """The step's training metrics (every `logging_steps` env_steps) plus `extra`."""
-        step = self.trainer.env_step
+    def log_step(self, nodes: list[Node], record: StepRecord, extra: dict, step: int) -> None:
+        """An update's training metrics at `step` (every `logging_steps` env_steps) plus
+        `extra`."""
         if self.last_train_log >= 0 and step - self.last_train_log < self.trainer.args.logging_steps:
             self.log(extra, step)
             return
         self.last_train_log = step
-        self.log({**extra, **step_metrics(episodes, record, self.trainer.args, self.epoch)}, step)
+        self.log({**extra, **step_metrics(nodes, record, self.trainer.args, self.epoch)}, step)
 
     # ---- checkpoints
 

@@ -22,7 +22,7 @@ from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
 from comlrl.inputs import (
     build_formatters, dataset_rows, resolve_agent_sources, resolve_tokenizers,
 )
-from comlrl.rollout import StepRecord, run_episode_batch
+from comlrl.rollout import Node, StepRecord, run_episode_batch
 
 
 class MAGRPOTrainer:
@@ -113,31 +113,52 @@ class MAGRPOTrainer:
                 self._session = None
 
     def _train_loop(self, session: Any, checkpoint_dir: str | None, interval: int) -> None:
+        """comlrl's cadence: prompts in dataset order, each prompt's whole rollout tree, its
+        nodes into a buffer; every `rollout_buffer_size` waiting nodes are one update (and
+        the rest at the epoch's end), pushed to the engines before the next rollout. A
+        single-turn tree is one node, so the prompts up to the next update are generated in
+        one round of engine calls; a multi-turn tree's size is known only once it is grown."""
         args, rows = self.args, self.train_rows
-        total_epochs, chunk = args.num_train_epochs, args.rollout_buffer_size
+        total_epochs, size = args.num_train_epochs, args.rollout_buffer_size
         bar = session.progress_bar(total=(total_epochs - session.epoch) * len(rows))
         if self.env_step == 0 and self._eval_due(0):
             session.log(self._evaluate_now(session), 0)
         for epoch in range(session.epoch, total_epochs):
-            for start in range(0, len(rows), chunk):
-                batch = list(range(start, min(start + chunk, len(rows))))
-                record = StepRecord()
+            buffer: list[Node] = []
+            start = 0
+            while start < len(rows):
+                count = max(1, size - len(buffer)) if args.num_turns == 1 else 1
+                batch = list(range(start, min(start + count, len(rows))))
+                start = batch[-1] + 1
+                record = rollout = StepRecord()
                 episodes = run_episode_batch(self, session, epoch, batch, record)
-                # Evaluations due inside this chunk see the same (pre-update) weights as their
-                # prompt would; each logs at the env_step its prompt started at.
+                # Evaluations due inside this round see the same weights as their prompt
+                # would; each logs at the env_step its prompt started at.
                 for ep in episodes[1:]:
                     if self._eval_due(ep.row_index):
                         session.log(self._evaluate_now(session), ep.env_step_before)
-                session.update_and_push(episodes, record)
-                # The evaluation before the next chunk's first prompt runs now, with the new
-                # weights, and shares this step's log line (the same env_step).
-                upcoming = start + chunk if start + chunk < len(rows) else 0
+                buffer += [node for ep in episodes for node in ep.nodes]
+                epoch_end = start >= len(rows)
+                updates = []
+                while len(buffer) >= size or (epoch_end and buffer):
+                    nodes, buffer = buffer[:size], buffer[size:]
+                    session.update_and_push(nodes, record)
+                    updates.append((nodes, record))
+                    record = StepRecord(policy_versions=dict(record.policy_versions))
+                # The evaluation before the next prompt runs now, with the new weights, and
+                # shares the last update's log line (the same env_step) if there was one.
+                upcoming = 0 if epoch_end else start
                 extra = self._evaluate_now(session) if self._eval_due(upcoming) else {}
-                session.log_step(episodes, record, extra)
+                for i, (nodes, step_record) in enumerate(updates):
+                    last = i == len(updates) - 1
+                    session.log_step(nodes, step_record, extra if last else {},
+                                     max(node.env_step for node in nodes))
+                if extra and not updates:
+                    session.log(extra, self.env_step)
+                roots = [r for ep in episodes for r in ep.root.rewards]
                 bar.update(len(batch))
-                bar.set_postfix(env_step=self.env_step,
-                                reward=f"{episodes[0].turn_means()[0][0]:.3f}",
-                                tok_s=f"{record.tokens / max(record.generation, 1e-9):.0f}")
+                bar.set_postfix(env_step=self.env_step, reward=f"{sum(roots) / len(roots):.3f}",
+                                tok_s=f"{rollout.tokens / max(rollout.generation, 1e-9):.0f}")
             session.epoch = epoch + 1
             if checkpoint_dir and (session.epoch % interval == 0 or session.epoch == total_epochs):
                 session.save_checkpoint()
