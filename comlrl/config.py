@@ -172,7 +172,9 @@ class MAGRPOConfig:
     enable_sleep_mode: bool = False
     """Let vLLM release GPU memory while the learner trains (GPU only)."""
     verbose: bool = True
-    """Show tqdm progress bars."""
+    """Show tqdm progress bars. Either way the console stays short: the actors' own output
+    (vLLM, Ray, transformers, torch) goes to one log file per actor (`workers/console.py`).
+    "full" (or the environment variable COMLRL_VERBOSE=1) puts all of it on the console."""
     extra: dict = field(default_factory=dict)
     """Free-form settings recorded in W&B and checkpoints (not interpreted)."""
 

@@ -10,7 +10,9 @@ engine reseeds global RNGs and pins torch threads of its host process
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +140,8 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.sampling = sampling
         self.sleeping = False
+        self.on_problem = _warn
+        """Called with a plain-words text when pushed weights did not all load."""
 
     def _params(self, n: int, seed: int, max_tokens: int | None = None, **extra: Any):
         from vllm import SamplingParams
@@ -179,8 +183,21 @@ class VLLMEngine:
             worker.reload_weights(weights_iterator=iter(weights),
                                   is_checkpoint_format=True)
 
-        self.llm.collective_rpc(_reload)
+        check = _ReloadCheck()
+        logger = logging.getLogger(_RELOAD_LOGGER)
+        logger.addFilter(check)
+        try:
+            self.llm.collective_rpc(_reload)
+        finally:
+            logger.removeFilter(check)
         self.llm.reset_prefix_cache()
+        if check.layers:
+            names = sorted(set(check.layers))
+            self.on_problem(
+                f"the vLLM engine did not load the pushed weights of {len(check.layers)} "
+                f"layer(s) ({', '.join(names)}): it kept their previous weights, so rollouts "
+                f"are drawn partly from stale weights. The pushed state dict does not match "
+                f"the engine's model (names or shapes).")
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of every token of `token_ids` given the ones before (first token: 0)."""
@@ -205,6 +222,35 @@ class VLLMEngine:
         if engine_core is not None:
             engine_core.shutdown()
         self.llm = None
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _ReloadCheck(logging.Filter):
+    """Collects vLLM's "<Layer>: Failed to load weights" records of one `reload_weights`.
+
+    A rotary embedding always "fails": its only tensor is a cos/sin cache vLLM computes from
+    the config, which no checkpoint holds, and vLLM puts it back as it was. That record is
+    dropped; any other layer is one whose pushed weights were not taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Failed to load weights" not in str(record.msg):
+            return True
+        layer = str(record.args[0]) if isinstance(record.args, tuple) and record.args \
+            else record.getMessage().split(":")[0]
+        if layer.endswith("RotaryEmbedding"):
+            return False
+        self.layers.append(layer)
+        return True
+
+
+def _warn(text: str) -> None:
+    warnings.warn(text, stacklevel=2)
 
 
 def _config_dtype(model_path: str) -> str:

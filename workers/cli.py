@@ -3,10 +3,11 @@
     python -m workers.cli CONFIG.yaml [key=value ...] [--resume PATH|latest] [--print-config]
     comlrl-split CONFIG.yaml ...                      (the same, as an installed script)
 
-`key=value` overrides use dotted keys (`magrpo.num_train_epochs=8`, `wandb.project=x`), values
-parsed as YAML (`4` is an int, `null` is None, `[a, b]` a list). `--resume latest` continues from
-the newest `checkpoint-N` in `checkpoint_dir` and starts fresh when there is none, so the same
-command serves a first submission and every resubmission of a preempted job.
+`key=value` overrides use dotted keys (`magrpo.num_train_epochs=8`), values parsed as YAML (`4`
+is an int, `null` None, `[a, b]` a list). `--resume latest` continues from the newest
+`checkpoint-N` in `checkpoint_dir`, or starts fresh when there is none, so one command serves
+a first submission and every resubmission of a preempted job. The console (`ray job logs`) is
+kept short; actors write to `<output_dir>/logs` (`workers.console`; `--verbose` for all).
 The fields of the YAML file are those of `JobConfig` below; `examples/seed_config.yaml` is one.
 """
 
@@ -24,6 +25,8 @@ import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
+
+from workers.console import VERBOSE_ENV, default_wandb_offline, problem, say
 
 # Keys of the `wandb:` section: wandb.init's arguments that comlrl's wandb_config passes on,
 # plus comlrl's `run_name` alias of `name`.
@@ -326,11 +329,8 @@ def load_rows(spec: Any, what: str = "dataset"):
 def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
     """The newest whole, undamaged `checkpoint-N` of `checkpoint_dir`, or None.
 
-    A damaged newest one (a changed or missing file) is passed over with a warning naming
-    it, so an automatically resubmitted job resumes from the one before instead of failing
-    forever."""
-    import warnings
-
+    A damaged newest one (a changed or missing file) is passed over, saying so on the console,
+    so an automatically resubmitted job resumes from the one before, not failing forever."""
     from comlrl.checkpoint import (
         CheckpointError, list_checkpoints, recover_interrupted_commits, verify_checksums,
     )
@@ -343,16 +343,14 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
             verify_checksums(path)
             return path
         except (CheckpointError, OSError) as exc:
-            warnings.warn(f"--resume latest: skipping damaged {path} ({exc}); resuming from "
-                          f"the checkpoint before it.")
+            problem(f"--resume latest: skipping damaged {path} ({exc}); resuming from the "
+                    f"checkpoint before it.")
     return None
 
 
 def resolve_resume(resume: str | None, checkpoint_dir: str) -> Path | None:
-    if resume is None:
-        return None
-    if resume == "latest":
-        return latest_checkpoint(checkpoint_dir)
+    if resume is None or resume == "latest":
+        return resume and latest_checkpoint(checkpoint_dir)
     path = Path(resume).expanduser()
     if not path.is_dir():
         raise ConfigError(f"--resume {resume}: no such checkpoint folder.")
@@ -386,24 +384,14 @@ def run(job: JobConfig, resume: str | None = None):
     Path(job.output_dir).mkdir(parents=True, exist_ok=True)
     checkpoint = resolve_resume(resume, job.checkpoint_dir)
     if resume == "latest" and checkpoint is None:
-        _say(f"--resume latest: no checkpoint in {job.checkpoint_dir}; starting a new run")
-    if job.wandb is not None and "mode" not in job.wandb and not os.environ.get("WANDB_MODE") \
-            and not os.environ.get("WANDB_API_KEY"):
-        # A batch job cannot answer W&B's login prompt; without a key or an explicit mode the
-        # run is kept offline (sync later with `wandb sync`) instead of failing at start.
-        os.environ["WANDB_MODE"] = "offline"
-        _say("W&B: no WANDB_API_KEY or WANDB_MODE set, logging offline "
-             "(set WANDB_MODE=online or wandb.mode=online to sync)")
+        say(f"--resume latest: no checkpoint in {job.checkpoint_dir}; starting a new run")
+    default_wandb_offline(job.wandb)  # no key, no mode: offline, not a login prompt
     reward = load_callable(job.reward_func, "reward_func")
-    processor = load_callable(job.reward_processor, "reward_processor") \
-        if job.reward_processor else None
-    transition = load_callable(job.external_transition, "external_transition") \
-        if job.external_transition else None
-    formatters = job.formatters
-    if isinstance(formatters, str):
-        formatters = load_callable(formatters, "formatters")
-    elif isinstance(formatters, list):
-        formatters = [load_callable(f, f"formatters[{i}]") for i, f in enumerate(formatters)]
+    processor, transition = (load_callable(getattr(job, key), key) if getattr(job, key) else None
+                             for key in ("reward_processor", "external_transition"))
+    formatters = load_callable(job.formatters, "formatters") if isinstance(job.formatters, str) \
+        else [load_callable(f, f"formatters[{i}]") for i, f in enumerate(job.formatters)] \
+        if isinstance(job.formatters, list) else job.formatters
     model = resolve_model(job)
     args = MAGRPOConfig(**{**job.magrpo, "num_agents": job.num_agents})
     trainer = MAGRPOTrainer(
@@ -412,19 +400,15 @@ def run(job: JobConfig, resume: str | None = None):
         eval_dataset=load_rows(job.eval_dataset, "eval_dataset") if job.eval_dataset else None,
         reward_func=reward, reward_processor=processor, external_transition=transition,
         formatters=formatters, wandb_config=wandb_config_for(job, checkpoint), args=args)
-    _say(f"model={model} agents={job.num_agents} prompts={len(trainer.train_rows)} "
-         f"epochs={args.num_train_epochs} checkpoint_dir={job.checkpoint_dir} "
-         f"resume={checkpoint or 'no'} python={sys.executable}")
+    say(f"model={model} agents={job.num_agents} prompts={len(trainer.train_rows)} "
+        f"epochs={args.num_train_epochs} checkpoint_dir={job.checkpoint_dir} "
+        f"resume={checkpoint or 'no'} python={sys.executable}")
     trainer.train(checkpoint_dir=job.checkpoint_dir, checkpoint_interval=job.checkpoint_interval,
                   resume_from_checkpoint=str(checkpoint) if checkpoint else None,
                   checkpoint_total_limit=job.checkpoint_total_limit)
-    newest = latest_checkpoint(job.checkpoint_dir)
-    _say(f"done: env_step={trainer.env_step} newest checkpoint={newest}")
+    say(f"done: env_step={trainer.env_step} newest checkpoint="
+        f"{latest_checkpoint(job.checkpoint_dir)}")
     return trainer
-
-
-def _say(text: str) -> None:
-    print(f"comlrl-split: {text}", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,17 +419,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="the YAML config file")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted-key overrides, values parsed as YAML")
-    parser.add_argument("--resume", metavar="PATH|latest",
-                        help="a checkpoint folder, or 'latest' (newest in checkpoint_dir; "
-                             "none there: start fresh)")
+    parser.add_argument("--resume", metavar="PATH|latest", help="a checkpoint folder, or "
+                        "'latest' (newest in checkpoint_dir; none there: start fresh)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as JSON and exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"all actor output on the console (vLLM, Ray, transformers), as "
+                             f"{VERBOSE_ENV}=1 does; default: in per-actor log files")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_intermixed_args(argv)
+    os.environ.update({VERBOSE_ENV: "1"} if ns.verbose else {})  # console.full_output
     try:
         job = load_job_config(ns.config, ns.overrides)
         if ns.print_config:

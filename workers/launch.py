@@ -19,8 +19,11 @@ LOCAL_RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
 }
+# No RAY_ENABLE_ZERO_COPY_TORCH_TENSORS: with it Ray warns (ZeroCopyTensorsWarning) on every
+# tensor it serializes and hands receivers tensors over read-only object-store memory (NumPy's
+# "not writable" warning). Weights travel as NumPy byte arrays instead, which Ray carries
+# zero-copy by itself (`workers.transport.pack_weights`).
 
 
 # The local Ray this process started, if any: {"num_cpus", "object_store"}.
@@ -41,7 +44,8 @@ def object_store_bytes(state_dict_bytes: int) -> int:
     return int(min(max(want, 512 * 1024 * 1024), total // 4))
 
 
-def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: float = 0.0) -> bool:
+def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: float = 0.0,
+               quiet: bool = False) -> bool:
     """Join `address` (or RAY_ADDRESS), else start a local Ray whose object store fits
     `state_dict_bytes` (all agents' weights). Returns True if the Ray in use is a local one
     this process started (now, or for an earlier `train()` of the same process).
@@ -51,7 +55,13 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: floa
     rollout workers per agent, to share a 2-core machine rather than be refused. Threads
     per actor are still sized to the real cores. A local Ray started for an earlier, smaller
     `train()` is restarted larger. A cluster is never resized: there the feasibility check
-    (`check_resources`) speaks."""
+    (`check_resources`) speaks.
+
+    `quiet`: Ray's own driver messages below WARNING ("Started a local Ray instance") are not
+    printed. Actor output still streams to the driver (log_to_driver): actors started with a
+    `log_file` send only their `workers.console.problem` lines there."""
+    import logging
+
     import ray
 
     if ray.is_initialized():
@@ -72,7 +82,8 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: floa
         # and every actor gets the engine variables through its own options anyway.
         _check_reachable(address)
         try:
-            ray.init(address=address or "auto", log_to_driver=True)
+            ray.init(address=address or "auto", log_to_driver=True,
+                     logging_level=logging.WARNING if quiet else logging.INFO)
         except Exception as exc:  # ConnectionError, TimeoutError, ValueError by version
             raise ConnectionError(
                 f"could not join the Ray cluster at ray_address={address!r} ({exc}). Start it "
@@ -85,7 +96,8 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: floa
     num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed - 1e-9))
     store = object_store_bytes(state_dict_bytes)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
-             object_store_memory=store, log_to_driver=True)
+             object_store_memory=store, log_to_driver=True,
+             logging_level=logging.WARNING if quiet else logging.INFO)
     _LOCAL_RAY.update(num_cpus=num_cpus, object_store=store)
     return True
 
@@ -117,6 +129,8 @@ class Placement:
     env: dict = field(default_factory=dict)
     group: Any = None
     bundle_index: int | None = None
+    log_file: str | None = None
+    """Where the actor's stdout/stderr go (`start_actor`); None: Ray's worker logs."""
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle reserving exactly this actor's resources ({} if none)."""
@@ -296,11 +310,33 @@ def remove_placement(group: Any) -> None:
         pass
 
 
-def start_actor(cls: type, placement: Placement, *args: Any, **kwargs: Any):
-    """Start `cls` (a plain class) as a Ray actor with `placement`."""
+def start_actor(cls: type, placement: Placement, *args: Any, log_file: str | None = None,
+                **kwargs: Any):
+    """Start `cls` (a plain class) as a Ray actor with `placement`. With `log_file` (or
+    `placement.log_file`) the actor's stdout and stderr go to that file (`logging_to`)."""
     import ray
 
+    log_file = log_file or placement.log_file
+    if log_file:
+        cls = logging_to(cls, log_file)
     return ray.remote(cls).options(**placement.options()).remote(*args, **kwargs)
+
+
+def logging_to(cls: type, log_file: str) -> type:
+    """`cls` whose instances first point their process's stdout/stderr file descriptors at
+    `log_file` (`workers.console.redirect_output`), then run `cls.__init__`: everything the
+    actor prints from then on, vLLM's and torch's C++ output included, lands in the file.
+    The actor classes import vLLM and torch inside `__init__`, so that output is caught too."""
+    original = cls.__init__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from workers.console import redirect_output
+
+        self.log_file = redirect_output(log_file)
+        original(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__doc__": cls.__doc__})
 
 
 def kill_actors(actors: list) -> None:

@@ -23,7 +23,14 @@ class RolloutWorker(WorkerEndpoint):
         self.agent_index = agent_index
         self.engine = make_engine(engine, materialize_model(model_source),
                                   SamplingSettings(**sampling), **engine_kwargs)
+        self.engine.on_problem = self.problem
         self.version = 0
+
+    def problem(self, text: str) -> None:
+        """Say `text` on the driver's console, once (`workers.console.problem`)."""
+        from workers.console import problem
+
+        problem(f"rollout worker of agent {self.agent_index}: {text}")
 
     def generate(self, requests: list[dict]) -> dict:
         """Samples for every request, the weight version that drew them, and timing."""
@@ -34,8 +41,13 @@ class RolloutWorker(WorkerEndpoint):
                 "tokens": sum(len(s["token_ids"]) for out in outputs for s in out)}
 
     def update_weights(self, version: int, weights: dict) -> float:
-        """Load `weights` as `version`; returns the seconds it took."""
+        """Load `weights` (a state dict, or `workers.transport.pack_weights` of one) as
+        `version`; returns the seconds it took."""
+        from workers.transport import unpack_weights
+
         start = time.perf_counter()
+        if isinstance(weights.get("weights"), dict):
+            weights = unpack_weights(weights)
         self.engine.load_weights(weights)
         self.version = int(version)
         return time.perf_counter() - start

@@ -2,9 +2,10 @@
 
 One small interface, three ways, picked by `MAGRPOConfig.weight_transport`:
 
-- `ObjectStoreTransport` ("object_store"): the learner exports CPU tensors, Ray's object store
-  carries them (zero-copy on one node), every engine of the agent reloads them. Works
-  everywhere; the only choice when learner or engines run on CPU.
+- `ObjectStoreTransport` ("object_store"): the learner exports its weights as NumPy byte
+  arrays (`pack_weights`), Ray's object store carries them (zero-copy on one node), every
+  engine of the agent makes writable tensors of them (`unpack_weights`) and reloads them.
+  Works everywhere; the only choice when learner or engines run on CPU.
 - `NcclBroadcastTransport` ("nccl"): the learner (rank 0) and each of its agent's rollout
   workers (ranks 1..W) form one process group; the learner packs its parameters into flat
   buckets of `bucket_bytes` and broadcasts each bucket with ONE collective call (never one
@@ -133,6 +134,30 @@ def unpack_bucket(flat, layout: dict, bucket: dict) -> list[tuple[str, Any]]:
     return out
 
 
+def pack_weights(state_dict: dict) -> dict:
+    """CPU weights as {"weights": {name: (dtype, shape, uint8 NumPy array)}}: Ray moves NumPy
+    arrays through the object store zero-copy on its own, without the warnings of its
+    zero-copy torch mode. The arrays view the tensors; Ray copies them when it stores them."""
+    import torch
+
+    out = {}
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        out[name] = (str(t.dtype).split(".")[-1], tuple(t.shape),
+                     t.reshape(-1).view(torch.uint8).numpy())
+    return {"weights": out}
+
+
+def unpack_weights(packed: dict) -> dict:
+    """`pack_weights`'s result as tensors. The arrays sit in read-only object-store memory,
+    which torch cannot mark read-only: each tensor gets its own writable copy (one memcpy),
+    so nothing (vLLM keeps some loaded tensors as they are) can write into shared memory."""
+    import torch
+
+    return {name: torch.from_numpy(array.copy()).view(getattr(torch, dtype)).reshape(shape)
+            for name, (dtype, shape, array) in packed["weights"].items()}
+
+
 def _node_info() -> dict:
     import ray
 
@@ -182,6 +207,10 @@ class LearnerEndpoint:
 
     def node_info(self) -> dict:
         return {**_node_info(), "gpu_uuid": _gpu_uuid()}
+
+    def export_weights(self) -> dict:
+        """This learner's weights for the object store (`pack_weights`)."""
+        return pack_weights(self.model.state_dict())
 
     def transport_layout(self, bucket_bytes: int) -> dict:
         params = [(k, list(v.shape), str(v.dtype).split(".")[-1])
@@ -329,12 +358,12 @@ class WeightTransport:
 
 
 class ObjectStoreTransport(WeightTransport):
-    """learner.get_weights -> Ray object store (one copy per node) -> worker.update_weights."""
+    """learner.export_weights -> Ray object store (one copy per node) -> update_weights."""
 
     name = "object_store"
 
     def push(self, agent: int, learner: Any, workers: list, version: int) -> list:
-        weights = learner.get_weights.remote()
+        weights = learner.export_weights.remote()
         return [w.update_weights.remote(version, weights) for w in workers]
 
 
