@@ -43,9 +43,9 @@ def install_timers() -> None:
     import comlrl.magrpo as magrpo
     import comlrl.trainers.reinforce.magrpo as trainer_mod
     import workers.launch as launch
+    import workers.pool as pool
     from comlrl.wandb_run import WandbRun
-
-    Session = trainer_mod._Session
+    from workers.session import Session
 
     def timed(owner, name, key, before=None):
         original = getattr(owner, name)
@@ -81,7 +81,7 @@ def install_timers() -> None:
             add(f"ray_get: {what}", dt)
         return out
 
-    launch.ray_get = ray_get
+    launch.ray_get = pool.ray_get = ray_get   # pool imported it by name
 
     real_generate = Session.generate
 
