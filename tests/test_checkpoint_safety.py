@@ -21,10 +21,13 @@ import pytest
 
 from comlrl import checkpoint as ck
 from comlrl.checkpoint import (
-    CheckpointError, CheckpointWriteError, check_checkpoint_dir, check_free_space,
-    clean_leftovers, compare_fingerprints, fingerprint_callable, list_checkpoints,
-    read_checkpoint_metadata, verify_checksums,
+    CheckpointError, CheckpointWriteError, list_checkpoints, read_checkpoint_metadata,
+    verify_checksums,
 )
+from comlrl.checkpoint_dir import (
+    check_checkpoint_dir, check_free_space, clean_leftovers, is_disk_full,
+)
+from comlrl.fingerprints import compare_fingerprints, fingerprint_callable
 from workers.checkpointer import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -374,7 +377,7 @@ def test_learner_save_on_a_full_disk_gives_a_clear_error_and_keeps_earlier(small
     staging = Path(cp.begin(2))
     with pytest.raises(Exception) as failure:  # what safetensors/torch raise inside save
         _save_agent(staging / "agent_0", 400_000)
-    assert ck.is_disk_full(failure.value)
+    assert is_disk_full(failure.value)
     with pytest.raises(CheckpointWriteError) as err:
         cp.abort(2, f"{type(failure.value).__name__}: {failure.value}")
     msg = str(err.value)
@@ -391,8 +394,8 @@ def test_torch_save_on_a_full_disk_is_recognised(small_disk):
     _fill(small_disk / "filler")
     with pytest.raises(Exception) as failure:
         torch.save({"w": torch.zeros(100_000)}, small_disk / "optimizer.pt")
-    assert ck.is_disk_full(f"{type(failure.value).__name__}: {failure.value}") or \
-        ck.is_disk_full(failure.value)
+    assert is_disk_full(f"{type(failure.value).__name__}: {failure.value}") or \
+        is_disk_full(failure.value)
 
 
 def test_commit_on_a_full_disk_removes_staging_and_keeps_earlier(small_disk):
@@ -553,7 +556,7 @@ def test_plain_function_fingerprint_is_unchanged(monkeypatch):
 
 def test_fingerprints_are_equal_in_a_fresh_process():
     here = {k: fingerprint_callable(v) for k, v in cross_process_callables().items()}
-    code = ("import json\nfrom comlrl.checkpoint import fingerprint_callable\n"
+    code = ("import json\nfrom comlrl.fingerprints import fingerprint_callable\n"
             "from tests.test_checkpoint_safety import cross_process_callables\n"
             "print(json.dumps({k: fingerprint_callable(v) "
             "for k, v in cross_process_callables().items()}))")

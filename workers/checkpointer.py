@@ -11,10 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from comlrl.checkpoint import (
-    abort_checkpoint, begin_staging, check_free_space, clean_leftovers, commit_checkpoint,
-    staging_path,
-)
+from comlrl.checkpoint import begin_staging, commit_checkpoint, staging_path
+from comlrl.checkpoint_dir import abort_checkpoint, check_free_space, clean_leftovers
 
 
 class Checkpointer:

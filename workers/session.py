@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from comlrl import magrpo
-from comlrl.checkpoint import compare_fingerprints, read_journal
+from comlrl.checkpoint import read_journal
+from comlrl.fingerprints import compare_fingerprints
 from comlrl.config import RESUMABLE_FIELDS
 from comlrl.metrics import step_metrics
 from comlrl.rollout import Node, StepRecord, learner_group
@@ -71,7 +72,6 @@ class Session:
     def _start(self) -> None:
         import ray
 
-        from comlrl.wandb_run import WandbRun
         from workers.checkpointer import Checkpointer
         from workers.launch import (
             Placement, check_resources, ensure_ray, pack_model_folder, place, plan_placement,

@@ -14,9 +14,11 @@ from typing import Any, Callable, Sequence
 
 from comlrl import magrpo
 from comlrl.checkpoint import (
-    check_checkpoint_dir, fingerprint_callable, fingerprint_model_folder, fingerprint_rows,
-    fingerprint_tokenizer, read_checkpoint_metadata, recover_interrupted_commits,
-    verify_checksums,
+    read_checkpoint_metadata, recover_interrupted_commits, verify_checksums,
+)
+from comlrl.checkpoint_dir import check_checkpoint_dir
+from comlrl.fingerprints import (
+    fingerprint_callable, fingerprint_model_folder, fingerprint_rows, fingerprint_tokenizer,
 )
 from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
 from comlrl.inputs import (
