@@ -26,7 +26,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from workers.console import VERBOSE_ENV, default_wandb_offline, problem, say
+from workers import console
 
 # Keys of the `wandb:` section: wandb.init's arguments that comlrl's wandb_config passes on,
 # plus comlrl's `run_name` alias of `name`.
@@ -343,8 +343,8 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
             verify_checksums(path)
             return path
         except (CheckpointError, OSError) as exc:
-            problem(f"--resume latest: skipping damaged {path} ({exc}); resuming from the "
-                    f"checkpoint before it.")
+            console.problem(f"--resume latest: skipping damaged {path} ({exc}); resuming "
+                            f"from the checkpoint before it.")
     return None
 
 
@@ -384,30 +384,31 @@ def run(job: JobConfig, resume: str | None = None):
     Path(job.output_dir).mkdir(parents=True, exist_ok=True)
     checkpoint = resolve_resume(resume, job.checkpoint_dir)
     if resume == "latest" and checkpoint is None:
-        say(f"--resume latest: no checkpoint in {job.checkpoint_dir}; starting a new run")
-    default_wandb_offline(job.wandb)  # no key, no mode: offline, not a login prompt
+        console.say(f"--resume latest: no checkpoint in {job.checkpoint_dir}; starting a new run")
+    console.default_wandb_offline(job.wandb)  # no key, no mode: offline, not a login prompt
     reward = load_callable(job.reward_func, "reward_func")
     processor, transition = (load_callable(getattr(job, key), key) if getattr(job, key) else None
                              for key in ("reward_processor", "external_transition"))
     formatters = load_callable(job.formatters, "formatters") if isinstance(job.formatters, str) \
         else [load_callable(f, f"formatters[{i}]") for i, f in enumerate(job.formatters)] \
         if isinstance(job.formatters, list) else job.formatters
-    model = resolve_model(job)
     args = MAGRPOConfig(**{**job.magrpo, "num_agents": job.num_agents})
-    trainer = MAGRPOTrainer(
-        agent_model=model, num_agents=job.num_agents, model_config=job.model_config,
-        train_dataset=load_rows(job.dataset, "dataset"),
-        eval_dataset=load_rows(job.eval_dataset, "eval_dataset") if job.eval_dataset else None,
-        reward_func=reward, reward_processor=processor, external_transition=transition,
-        formatters=formatters, wandb_config=wandb_config_for(job, checkpoint), args=args)
-    say(f"model={model} agents={job.num_agents} prompts={len(trainer.train_rows)} "
-        f"epochs={args.num_train_epochs} checkpoint_dir={job.checkpoint_dir} "
-        f"resume={checkpoint or 'no'} python={sys.executable}")
+    with console.quiet_progress_bars(console.full_output(args.verbose)):  # no weight bars
+        model = resolve_model(job)
+        trainer = MAGRPOTrainer(
+            agent_model=model, num_agents=job.num_agents, model_config=job.model_config,
+            train_dataset=load_rows(job.dataset, "dataset"),
+            eval_dataset=load_rows(job.eval_dataset, "eval_dataset") if job.eval_dataset else None,
+            reward_func=reward, reward_processor=processor, external_transition=transition,
+            formatters=formatters, wandb_config=wandb_config_for(job, checkpoint), args=args)
+    console.say(f"model={model} agents={job.num_agents} prompts={len(trainer.train_rows)} "
+                f"epochs={args.num_train_epochs} checkpoint_dir={job.checkpoint_dir} "
+                f"resume={checkpoint or 'no'} python={sys.executable}")
     trainer.train(checkpoint_dir=job.checkpoint_dir, checkpoint_interval=job.checkpoint_interval,
                   resume_from_checkpoint=str(checkpoint) if checkpoint else None,
                   checkpoint_total_limit=job.checkpoint_total_limit)
-    say(f"done: env_step={trainer.env_step} newest checkpoint="
-        f"{latest_checkpoint(job.checkpoint_dir)}")
+    console.say(f"done: env_step={trainer.env_step} newest checkpoint="
+                f"{latest_checkpoint(job.checkpoint_dir)}")
     return trainer
 
 
@@ -425,14 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the resolved config as JSON and exit")
     parser.add_argument("--verbose", action="store_true",
                         help=f"all actor output on the console (vLLM, Ray, transformers), as "
-                             f"{VERBOSE_ENV}=1 does; default: in per-actor log files")
+                             f"{console.VERBOSE_ENV}=1 does; default: in per-actor log files")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_intermixed_args(argv)
-    os.environ.update({VERBOSE_ENV: "1"} if ns.verbose else {})  # console.full_output
+    os.environ.update({console.VERBOSE_ENV: "1"} if ns.verbose else {})  # console.full_output
     try:
         job = load_job_config(ns.config, ns.overrides)
         if ns.print_config:
