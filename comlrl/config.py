@@ -34,7 +34,7 @@ RESUMABLE_FIELDS = frozenset({
     "learner_resources", "weight_transport", "placement_timeout_s",
     # comlrl's placement fields: where agents and reference copies live, never what they compute.
     "agent_devices", "parallel_training", "reference_devices",
-    "weight_bucket_bytes", "skip_callable_fingerprints",
+    "weight_bucket_bytes", "skip_callable_fingerprints", "max_actor_restarts",
 })
 
 
@@ -155,6 +155,10 @@ class MAGRPOConfig:
     """Ray custom resources per learner actor (pins learners like `rollout_resources`)."""
     placement_timeout_s: float = 300.0
     """Seconds to wait for Ray to reserve every actor's resources before failing."""
+    max_actor_restarts: int = 3
+    """Times one run may restart its learners and checkpointer after one of them dies, each
+    time restoring every learner from the newest checkpoint (values stay the same as an
+    uninterrupted run); past it the run fails, naming the actor and how to resume."""
     weight_bucket_bytes: int = 256 * 1024 * 1024
     """Bucket size of the bucketed broadcast / CUDA IPC weight transports (>= 1 MiB): weights
     travel in buckets of at most this many bytes. Replaces the environment variable
@@ -256,6 +260,10 @@ class MAGRPOConfig:
             if {"CPU", "GPU"} & set(res):
                 raise ValueError(f"{name}: set CPUs and GPUs with {name[:-10]}_num_cpus / "
                                  f"{name[:-10]}_num_gpus, not as custom resources.")
+        if isinstance(self.max_actor_restarts, bool) or not isinstance(
+                self.max_actor_restarts, int) or self.max_actor_restarts < 0:
+            raise ValueError(f"max_actor_restarts must be an int >= 0 "
+                             f"(got {self.max_actor_restarts!r}).")
         if not self.placement_timeout_s > 0:
             raise ValueError(
                 f"placement_timeout_s must be > 0 (got {self.placement_timeout_s!r}).")

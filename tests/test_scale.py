@@ -322,3 +322,69 @@ def test_two_nodes_rollout_workers_pinned_to_the_worker_node(tiny_model, tmp_pat
     assert seen["head"] != seen["worker_node"]
     assert seen["workers"] == [seen["worker_node"]] * 2
     assert seen["learners"] == [seen["head"]] * 2
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dead_learner_and_checkpointer_are_healed_in_the_job(one_worker_run, tiny_model,
+                                                            wandb_dir, tmp_path, monkeypatch):
+    """A learner SIGKILLed during epoch 2's first update, then the checkpointer killed just
+    before the epoch-2 checkpoint: each time the run restarts every learner and the
+    checkpointer, restores them from checkpoint-1 and redoes epoch 2, in the same job. Every
+    env_step is logged once, with exactly the values of the uninterrupted run."""
+    import ray
+
+    from comlrl.checkpoint import verify_checksums
+    from workers.session import Session
+
+    trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "heal"})
+    calls = {"update": 0, "save": 0}
+    killed = []
+
+    def wrap(session):
+        update, save = session.update_and_push, session.save_checkpoint
+
+        def kill_learner_then_update(nodes, record):
+            calls["update"] += 1
+            if calls["update"] == 3:          # epoch 2's first update; checkpoint-1 exists
+                os.kill(ray.get(session.learners[0].node_info.remote())["pid"], signal.SIGKILL)
+                killed.append("learner 0")
+            return update(nodes, record)
+
+        def kill_checkpointer_then_save():
+            calls["save"] += 1
+            if calls["save"] == 2:            # the first attempt at checkpoint-2
+                ray.kill(session.checkpointer, no_restart=True)
+                killed.append("checkpointer")
+            return save()
+
+        session.update_and_push, session.save_checkpoint = (kill_learner_then_update,
+                                                            kill_checkpointer_then_save)
+
+    enter = Session.__enter__
+
+    def enter_and_wrap(session):
+        enter(session)
+        wrap(session)
+        return session
+
+    monkeypatch.setattr(Session, "__enter__", enter_and_wrap)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(checkpoint_dir=str(tmp_path / "ckpt"))
+    assert killed == ["learner 0", "checkpointer"]
+    heals = [str(w.message) for w in caught if "restarted the learners" in str(w.message)]
+    assert len(heals) == 2, heals
+    assert heals[0].startswith("learner of agent 0 died") and "checkpoint-1" in heals[0]
+    assert heals[1].startswith("checkpointer died") and "checkpoint-1" in heals[1]
+    history = wandb_history(wandb_dir)
+    steps = [r["_step"] for r in history if "turn_1/reward_mean" in r]
+    assert steps == [8, 16, 24, 32]                   # each once, in order
+    # The count rides on the next new row: the first heal's on step 24; the second heal redoes
+    # only steps the run already holds, so no row carries its count (the warning above does).
+    assert [r["actors/restarts"] for r in history if "actors/restarts" in r] == [1]
+    got = _by_step(history)
+    for step in one_worker_run:
+        assert got[step] == one_worker_run[step], step      # exact, no tolerance
+    for n in (1, 2):
+        verify_checksums(tmp_path / "ckpt" / f"checkpoint-{n}")

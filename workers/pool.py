@@ -73,20 +73,12 @@ class RolloutPool:
             ray_get(self.transport.refresh(agent, learner, self.workers[agent], index, version),
                     f"pushing weights to restarted rollout worker {index} of agent {agent}")
         self.restarts += 1
-        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
-        self.on_restart(f"rollout worker {index} of agent {agent} died ({why}); restarted it "
-                        f"with the current weights (restart {self.restarts} of this run).")
+        self.on_restart(f"rollout worker {index} of agent {agent} died ({first_line(cause)}); "
+                        f"restarted it with the current weights (restart {self.restarts} of "
+                        f"this run).")
 
     def dead(self, agent: int) -> list[int]:
-        import ray
-
-        out = []
-        for index, worker in enumerate(self.workers[agent]):
-            try:
-                ray.get(worker.get_version.remote(), timeout=60)
-            except ray.exceptions.RayActorError:
-                out.append(index)
-        return out
+        return [i for i, worker in enumerate(self.workers[agent]) if not is_alive(worker)]
 
     # ---- the calls
 
@@ -150,3 +142,22 @@ class RolloutPool:
             for index in dead:
                 self._get(agent, index, self.workers[agent][index].get_version.remote(), None,
                           "receiving weights")
+
+
+def is_alive(actor: Any) -> bool:
+    """Whether `actor` (any of our roles) still answers; a busy one counts as alive."""
+    import ray
+
+    probe = actor.get_version if hasattr(actor, "get_version") else actor.free_space_warning
+    try:
+        ray.get(probe.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.GetTimeoutError:
+        pass
+    return True
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (Ray's carry the whole remote traceback)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]

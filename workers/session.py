@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from comlrl import magrpo
-from comlrl.checkpoint import read_journal
 from comlrl.fingerprints import compare_fingerprints
 from comlrl.config import RESUMABLE_FIELDS
 from comlrl.metrics import step_metrics
 from comlrl.rollout import Node, StepRecord, learner_group
+from comlrl.wandb_run import open_wandb_run
 
 
 class Session:
@@ -49,6 +49,8 @@ class Session:
         self.wandb = None
         self.pending_checkpoint = None
         self.started_ray = False
+        self.learner_specs: list = []
+        self.actor_restarts = 0             # learner/checkpointer restarts (`heal`)
 
     @property
     def workers(self) -> list[list]:
@@ -72,9 +74,8 @@ class Session:
     def _start(self) -> None:
         import ray
 
-        from workers.checkpointer import Checkpointer
         from workers.launch import (
-            Placement, check_resources, ensure_ray, pack_model_folder, place, plan_placement,
+            check_resources, ensure_ray, pack_model_folder, place, plan_placement,
             ray_get, start_actor,
         )
         from workers.learner import Learner
@@ -144,26 +145,23 @@ class Session:
         self.pool = RolloutPool(specs, trainer.num_agents, per_agent)
         self.pool.on_restart = self._on_worker_restart
         if not self.for_eval:
-            self.learners = [
-                start_actor(with_learner_endpoint(Learner), placed[n_workers + a], a, sources[a],
-                            learning_rate=args.agent_learning_rate,
-                            train_batch_size=args.train_batch_size,
-                            loss_aggregation=args.loss_aggregation,
-                            advantage_mode=args.advantage_mode,
-                            advantage_normalization=args.advantage_normalization,
-                            reference_kl_coef=(args.reference_kl_coef
-                                               if args.reference_kl_enabled else None),
-                            device=args.learner_device_for(a, trainer.num_agents),
-                            threads=args.learner_threads or max(1, cores // trainer.num_agents))
+            # Kept to restart learners (and the checkpointer) that die, with the same
+            # arguments and bundles (`heal`).
+            self.learner_specs = [
+                ((with_learner_endpoint(Learner), placed[n_workers + a], a, sources[a]),
+                 dict(learning_rate=args.agent_learning_rate,
+                      train_batch_size=args.train_batch_size,
+                      loss_aggregation=args.loss_aggregation,
+                      advantage_mode=args.advantage_mode,
+                      advantage_normalization=args.advantage_normalization,
+                      reference_kl_coef=(args.reference_kl_coef
+                                         if args.reference_kl_enabled else None),
+                      device=args.learner_device_for(a, trainer.num_agents),
+                      threads=args.learner_threads or max(1, cores // trainer.num_agents)))
                 for a in range(trainer.num_agents)]
+            self.learners = [start_actor(*spec, **kw) for spec, kw in self.learner_specs]
         if self.checkpoint_dir and not self.for_eval:
-            # `_checkpoint_before_publish`: a test hook run in the checkpointer just before
-            # a staged checkpoint is published (tests kill the run there).
-            self.checkpointer = start_actor(
-                Checkpointer, Placement(), self.checkpoint_dir, self.total_limit, self.run_uid,
-                getattr(trainer, "_checkpoint_before_publish", None))
-            ray_get(self.checkpointer.clean.remote(fresh_start=meta is None), "checkpointer")
-            self._warn_if_disk_is_short()
+            self._start_checkpointer(fresh=meta is None)
         ray_get([w.get_version.remote() for w in self.pool.actors + self.learners],
                 "starting rollout workers and learners")
         self.transport = self._connect_transport(plan)
@@ -174,35 +172,72 @@ class Session:
                 [learner.load.remote(str(Path(self.resume_path) / f"agent_{a}"))
                  for a, learner in enumerate(self.learners)], "restoring learners")
             self.push_weights()
-        self.wandb = self._open_wandb(meta)
+        self.wandb = open_wandb_run(trainer, meta, self.checkpoint_dir)
 
-    def _open_wandb(self, meta: dict | None):
-        """The driver's W&B run. A resume continues the checkpoint's run (comlrl 1.4.3 does the
-        same when `wandb_config` names no id/resume), re-sends the rows the checkpoint covers
-        that the run's files lack, and never sends a step the run already holds."""
-        from comlrl.wandb_run import WandbRun, steps_on_disk
+    def _start_checkpointer(self, fresh: bool) -> None:
+        from workers.checkpointer import Checkpointer
+        from workers.launch import Placement, ray_get, start_actor
 
-        trainer = self.trainer
-        cfg = trainer.wandb_config
-        identity = (meta or {}).get("wandb") or trainer.last_wandb_identity
-        if isinstance(cfg, dict) and identity and "id" not in cfg and "resume" not in cfg:
-            cfg = {**cfg, "id": identity["id"], "resume": "allow",
-                   **{k: identity[k] for k in ("project", "entity")
-                      if identity.get(k) and not cfg.get(k)}}
-            trainer.wandb_config = cfg
-        floor, logged, rows = -1, None, []
-        if meta is not None and cfg is not None:
-            run_id = cfg.get("id") or identity.get("id")
-            logged = steps_on_disk(run_id, cfg) if run_id else None
-            journal = read_journal(self.checkpoint_dir, run_id) if self.checkpoint_dir else -1
-            floor = max(int(meta.get("last_logged_step", -1)), journal)
-            rows = meta.get("wandb_rows", [])
-        run_config = {"algorithm": trainer.algorithm_name, "num_agents": trainer.num_agents,
-                      **{k: v for k, v in trainer.args.to_dict().items() if k != "extra"}}
-        run = WandbRun(cfg, run_config, self.checkpoint_dir, floor, logged, rows)
-        run.start()
-        trainer.last_wandb_identity = run.identity or trainer.last_wandb_identity
-        return run
+        # `_checkpoint_before_publish`: a test hook run in the checkpointer just before a
+        # staged checkpoint is published (tests kill the run there).
+        self.checkpointer = start_actor(
+            Checkpointer, Placement(), self.checkpoint_dir, self.total_limit, self.run_uid,
+            getattr(self.trainer, "_checkpoint_before_publish", None))
+        ray_get(self.checkpointer.clean.remote(fresh_start=fresh), "checkpointer")
+        self._warn_if_disk_is_short()
+
+    def heal(self, failure: BaseException) -> None:
+        """After an actor failure in the loop: if a learner or the checkpointer died, restart
+        every learner and the checkpointer, restore the learners from this run's newest
+        checkpoint (or the initial weights), push those to the engines and rewind the
+        counters, so the loop redoes the lost work and logs the same values. Anything else,
+        or more than `max_actor_restarts` times, is raised, naming the actor and the fix."""
+        import warnings
+
+        from comlrl.checkpoint import list_checkpoints, read_checkpoint_metadata
+        from workers.launch import kill_actors, ray_get, start_actor
+        from workers.pool import first_line, is_alive
+
+        dead = [f"learner of agent {a}" for a, learner in enumerate(self.learners)
+                if not is_alive(learner)]
+        if self.checkpointer is not None and not is_alive(self.checkpointer):
+            dead.append("checkpointer")
+        newest = list_checkpoints(self.checkpoint_dir, self.run_uid) if self.checkpoint_dir \
+            else []
+        resume = (f"resume with train(resume_from_checkpoint={str(newest[-1])!r}, ...)"
+                  if newest else "start the run again")
+        if not dead:
+            raise failure
+        self.actor_restarts += 1
+        if self.actor_restarts > self.trainer.args.max_actor_restarts:
+            raise RuntimeError(
+                f"{', '.join(dead)} died ({first_line(failure)}), and this run already "
+                f"restarted its learners {self.trainer.args.max_actor_restarts} times "
+                f"(max_actor_restarts); {resume}.") from failure
+        self.pending_checkpoint = None       # the dead checkpointer's commit is lost
+        kill_actors(self.learners + ([self.checkpointer] if self.checkpointer else []))
+        self.learners = [start_actor(*spec, **kw) for spec, kw in self.learner_specs]
+        if self.checkpoint_dir:
+            self._start_checkpointer(fresh=False)
+            newest = list_checkpoints(self.checkpoint_dir, self.run_uid)
+        for a, learner in enumerate(self.learners):
+            self.transport.connect(a, learner, self.workers[a])
+        self.pool.attach(self.learners, self.transport)
+        meta = read_checkpoint_metadata(newest[-1]) if newest else {}
+        if newest:
+            ray_get([learner.load.remote(str(newest[-1] / f"agent_{a}"))
+                     for a, learner in enumerate(self.learners)], "restoring learners")
+        self.trainer.env_step = int(meta.get("env_step", 0))
+        self.epoch = int(meta.get("epoch", 0))
+        self.learner_updates = int(meta.get("update_index", 0))
+        self.last_train_log = int(meta.get("last_train_log", -1))
+        self.push_weights()
+        self.pending_metrics["actors/restarts"] = self.actor_restarts
+        warnings.warn(f"{', '.join(dead)} died ({first_line(failure)}); restarted the "
+                      f"learners and checkpointer from "
+                      f"{newest[-1].name if newest else 'the initial weights'} (env_step "
+                      f"{self.trainer.env_step}), redoing the work since (restart "
+                      f"{self.actor_restarts} of at most {self.trainer.args.max_actor_restarts}).")
 
     def _connect_transport(self, plan: dict):
         """The weight transport `plan` chose, connected to every learner and its workers.
@@ -341,7 +376,7 @@ class Session:
 
     def save_checkpoint(self) -> None:
         """Learners write their folders into a staging dir; the checkpointer publishes it."""
-        from workers.launch import ray_get
+        from workers.launch import ActorFailure, ray_get
 
         self.wait_checkpoint()
         self._warn_if_disk_is_short()
@@ -349,7 +384,9 @@ class Session:
         try:
             ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
                      for a, learner in enumerate(self.learners)], "learners saving")
-        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, a dead learner
+        except ActorFailure:
+            raise                           # a dead learner: the trainer heals the run
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
             # e.g. a full disk: the checkpointer removes the staging folder and raises an
             # error naming checkpoint_dir and the bytes needed; earlier checkpoints stay.
             ray_get(self.checkpointer.abort.remote(self.epoch, f"{type(exc).__name__}: {exc}"),

@@ -104,13 +104,21 @@ class MAGRPOTrainer:
             raise ValueError("Trainer: training requires a train_dataset (a datasets.Dataset "
                              "with a 'prompt' column); pass train_dataset= to MAGRPOTrainer.")
         resume_meta = self._check_resume(checkpoint_dir, resume_from_checkpoint)
+        from workers.launch import ActorFailure
         from workers.session import Session
 
         with Session(self, checkpoint_dir, checkpoint_total_limit, resume_from_checkpoint,
                      resume_meta) as session:
             self._session = session
             try:
-                self._train_loop(session, checkpoint_dir, checkpoint_interval)
+                while True:
+                    try:
+                        self._train_loop(session, checkpoint_dir, checkpoint_interval)
+                        break
+                    except ActorFailure as failure:
+                        # A dead learner or checkpointer: restart them from the newest
+                        # checkpoint and go on (anything else is raised again).
+                        session.heal(failure)
             finally:
                 self._session = None
 
