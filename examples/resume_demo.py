@@ -31,6 +31,14 @@ cli = parser.parse_args()
 # half refuses a checkpoint_dir that already holds another run's checkpoints (the trainer's
 # own test, list_checkpoints, decides here too).
 from comlrl.checkpoint import list_checkpoints
+from workers.console import full_output
+
+if not full_output():
+    # The console shows the run's header, progress and summary; full output (COMLRL_VERBOSE=1)
+    # shows the model-loading bars too.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def holds_a_run(folder):
@@ -102,7 +110,6 @@ checkpoint_dir = str(out / "checkpoints" / "resume-demo")
 
 trainer = build_trainer(num_train_epochs=2, wandb_config=wandb_config)
 trainer.train(checkpoint_dir=checkpoint_dir, checkpoint_interval=1)
-print("checkpoints:", sorted(p.name for p in Path(checkpoint_dir).glob("checkpoint-*")))
 
 if not cli.first_half_only:
     checkpoint = max(
@@ -119,12 +126,10 @@ if not cli.first_half_only:
         checkpoint_dir=checkpoint_dir,
         checkpoint_interval=1,
     )
-    print("checkpoints:", sorted(p.name for p in Path(checkpoint_dir).glob("checkpoint-*")))
 
 # ---------------------------------------------------------------- the training curve, as a PNG
 
 wandb_dir = Path(os.environ["WANDB_DIR"])
-print(f"W&B files: {sorted(str(p) for p in (wandb_dir / 'wandb').glob('offline-run-*'))}")
 
 
 def draw_training_curve():

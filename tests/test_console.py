@@ -124,12 +124,13 @@ def test_header_and_summary(tmp_path, capsys):
             "offline": True, "url": None}
     console.summary(ckpts, info, logs)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"comlrl-split: output folder: {tmp_path}"
+    assert out[0] == f"comlrl-split: checkpoints go to: {tmp_path}"
     assert out[2] == (f"comlrl-split: actors started: 2 rollout workers, 2 learners, "
                       f"1 checkpointer (their output: {tmp_path / 'logs'})")
     assert f"checkpoints written: checkpoint-1, checkpoint-2 in {tmp_path / 'ck'}" in out[3]
     assert "W&B run: abc123" in out[4]
-    assert out[5].endswith(f"wandb sync {info['folder']}")
+    # Every folder of the run id (one per process of a resumed offline run).
+    assert out[5].endswith(f"wandb sync {tmp_path / 'wandb' / 'offline-run-*-abc123'}")
     assert out[6].endswith(f"actor logs: {tmp_path / 'logs'}")
     console.summary([], None, console.ActorLogs(None, full=True), checkpoint_dir="d")
     text = capsys.readouterr().out

@@ -62,8 +62,29 @@ def demo_run(tmp_path_factory) -> DemoRun:
     return run
 
 
-def test_demo_exits_zero(demo_run):
+def test_demo_exits_zero_with_a_short_console_a_summary_and_actor_logs(demo_run):
+    """At default verbosity the console is a header, one progress bar and a closing summary
+    per train() (lines as a terminal shows them: a bar redraws in place); everything the
+    actors print goes to one log file per actor."""
     assert demo_run.proc.returncode == 0, demo_run.output[-6000:]
+    shown = [line for line in demo_run.output.split("\n") if line.strip()]
+    assert len(shown) < 40, "\n".join(shown)
+    out = demo_run.output
+    assert out.count("comlrl-split: actors started: 2 rollout workers, 2 learners, "
+                     "1 checkpointer") == 2
+    assert "checkpoints written: checkpoint-1, checkpoint-2 in " in out
+    assert "checkpoints written: checkpoint-3, checkpoint-4 in " in out
+    assert out.count("comlrl-split: W&B run: ") == 2
+    assert "upload it with: wandb sync " in out
+    logs = demo_run.output_dir / "checkpoints" / "logs"
+    assert f"actor logs: {logs}" in out
+    for noise in ("RotaryEmbedding", "ZeroCopyTensorsWarning", "not writable", "LD_PRELOAD",
+                  "Loading weights", "Writing model shards"):
+        assert noise not in out, noise
+    names = {p.name for p in logs.glob("*.log")}
+    assert names == {"rollout-agent0-worker0.log", "rollout-agent1-worker0.log",
+                     "learner-agent0.log", "learner-agent1.log", "checkpointer.log"}, names
+    assert (logs / "rollout-agent0-worker0.log").stat().st_size > 0   # vLLM's own output
 
 
 def test_demo_writes_a_readable_training_curve_png(demo_run):

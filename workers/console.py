@@ -175,7 +175,7 @@ def header(output: str | os.PathLike | None, model: str, actors: dict[str, int],
            logs: ActorLogs | None = None, file: Any = None) -> str:
     """The lines printed when a `train()` has started its actors; returns them."""
     started = ", ".join(f"{n} {role}{'s' if n != 1 else ''}" for role, n in actors.items() if n)
-    lines = [f"output folder: {output}" if output else "output folder: none (no checkpoints)",
+    lines = [f"checkpoints go to: {output}" if output else "checkpoints: none (no checkpoint_dir)",
              f"model: {model}",
              f"actors started: {started or 'none'}"
              + (f" (their output: {logs.folder})" if logs and logs.folder else "")]
@@ -214,7 +214,9 @@ def summary(checkpoints: list[str], wandb: dict | None, logs: ActorLogs | None,
         where = wandb.get("url") or wandb.get("folder") or "?"
         lines.append(f"W&B run: {wandb.get('id')} ({where})")
         if wandb.get("offline") and wandb.get("folder"):
-            lines.append(f"W&B run is offline; upload it with: wandb sync {wandb['folder']}")
+            # A resumed offline run has one folder per process; sync them all, in order.
+            every = Path(wandb["folder"]).parent / f"offline-run-*-{wandb.get('id')}"
+            lines.append(f"W&B run is offline; upload it with: wandb sync {every}")
     else:
         lines.append("W&B: off")
     if logs is not None and logs.folder is not None:

@@ -21,6 +21,7 @@ from comlrl.config import RESUMABLE_FIELDS
 from comlrl.metrics import step_metrics
 from comlrl.rollout import Node, StepRecord, learner_group
 from comlrl.wandb_run import open_wandb_run
+from workers import console
 
 
 class Session:
@@ -50,6 +51,9 @@ class Session:
         self.pending_checkpoint = None
         self.started_ray = False
         self.learner_specs: list = []
+        self.logs = None                    # workers.console.ActorLogs: where actors print
+        self.written: list[str] = []        # checkpoints this train() published
+        self.wandb_info: dict | None = None  # the W&B run, for the closing summary
         self.actor_restarts = 0             # learner/checkpointer restarts (`heal`)
 
     @property
@@ -84,14 +88,18 @@ class Session:
         from workers.transport import with_learner_endpoint
 
         trainer, args = self.trainer, self.trainer.args
+        # Actor output goes to a log file per actor unless full output is asked for.
+        self.logs = console.ActorLogs.for_run(args.verbose, self.checkpoint_dir)
         # Actors load the models from folders: the driver's models, saved once here.
         self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-split-")
         folders = []
-        for i, (model, tok) in enumerate(zip(trainer._initial_models(), trainer.tokenizers)):
-            folder = Path(self.tmp.name) / f"agent_{i}"
-            model.save_pretrained(folder, safe_serialization=True)
-            tok.save_pretrained(folder)
-            folders.append(str(folder))
+        with console.quiet_progress_bars(self.logs.full):
+            for i, (model, tok) in enumerate(zip(trainer._initial_models(),
+                                                 trainer.tokenizers)):
+                folder = Path(self.tmp.name) / f"agent_{i}"
+                model.save_pretrained(folder, safe_serialization=True)
+                tok.save_pretrained(folder)
+                folders.append(str(folder))
         self.fingerprints = trainer.fingerprints(folders)
         meta = self.resume_meta
         if meta is not None:
@@ -121,7 +129,8 @@ class Session:
         if not self.for_eval:
             needs += [("learner", plan["learner"])] * trainer.num_agents
         self.started_ray = ensure_ray(args.ray_address, weight_bytes,
-                                      sum(p.num_cpus for _, p in needs))
+                                      sum(p.num_cpus for _, p in needs),
+                                      quiet=not self.logs.full)
         check_resources(needs, plan["strategy"])
         # Threads follow the real cores of a Ray we started (its CPU count may be larger).
         cores = max(1, (os.cpu_count() or 1) if self.started_ray
@@ -137,7 +146,8 @@ class Session:
             tensor_parallel_size=args.tensor_parallel_size,
             enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
             threads=args.rollout_threads or max(1, cores // n_workers))
-        specs = {(a, i): (RolloutWorker, placed[a * per_agent + i], a, sources[a],
+        specs = {(a, i): (RolloutWorker, self.logs.place(placed[a * per_agent + i], "rollout", a, i),
+                          a, sources[a],
                           args.rollout_engine,
                           {**sampling, "stop_token_ids": (trainer.tokenizers[a].eos_token_id,)},
                           engine_kwargs)
@@ -148,7 +158,8 @@ class Session:
             # Kept to restart learners (and the checkpointer) that die, with the same
             # arguments and bundles (`heal`).
             self.learner_specs = [
-                ((with_learner_endpoint(Learner), placed[n_workers + a], a, sources[a]),
+                ((with_learner_endpoint(Learner),
+                  self.logs.place(placed[n_workers + a], "learner", a), a, sources[a]),
                  dict(learning_rate=args.agent_learning_rate,
                       train_batch_size=args.train_batch_size,
                       loss_aggregation=args.loss_aggregation,
@@ -164,6 +175,11 @@ class Session:
             self._start_checkpointer(fresh=meta is None)
         ray_get([w.get_version.remote() for w in self.pool.actors + self.learners],
                 "starting rollout workers and learners")
+        if not self.for_eval:
+            console.header(Path(self.checkpoint_dir).resolve() if self.checkpoint_dir
+                           else None, trainer.model_name,
+                           {"rollout worker": n_workers, "learner": len(self.learners),
+                            "checkpointer": int(self.checkpointer is not None)}, self.logs)
         self.transport = self._connect_transport(plan)
         self.pool.attach(self.learners, self.transport)
         if meta is not None:
@@ -173,6 +189,7 @@ class Session:
                  for a, learner in enumerate(self.learners)], "restoring learners")
             self.push_weights()
         self.wandb = open_wandb_run(trainer, meta, self.checkpoint_dir)
+        self.wandb_info = console.wandb_info(self.wandb.run)   # its folder, while it is open
 
     def _start_checkpointer(self, fresh: bool) -> None:
         from workers.checkpointer import Checkpointer
@@ -181,7 +198,8 @@ class Session:
         # `_checkpoint_before_publish`: a test hook run in the checkpointer just before a
         # staged checkpoint is published (tests kill the run there).
         self.checkpointer = start_actor(
-            Checkpointer, Placement(), self.checkpoint_dir, self.total_limit, self.run_uid,
+            Checkpointer, self.logs.place(Placement(), "checkpointer"), self.checkpoint_dir,
+            self.total_limit, self.run_uid,
             getattr(self.trainer, "_checkpoint_before_publish", None))
         ray_get(self.checkpointer.clean.remote(fresh_start=fresh), "checkpointer")
         self._warn_if_disk_is_short()
@@ -286,14 +304,10 @@ class Session:
             except BaseException as error:  # noqa: BLE001 - the rest must still run
                 first_error = first_error or error
         self.pool, self.learners, self.checkpointer = None, [], None
+        if self.logs is not None and not self.for_eval and exc_type is None:
+            console.summary(self.written, self.wandb_info, self.logs, self.checkpoint_dir)
         if first_error is not None and exc_type is None:
             raise first_error
-
-    def progress_bar(self, total: int):
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc="MAGRPO", unit="prompt",
-                    disable=not self.trainer.args.verbose, dynamic_ncols=True)
 
     # ---- generation (comlrl.rollout calls this)
 
@@ -418,7 +432,9 @@ class Session:
         if self.pending_checkpoint is None:
             return None
         ref, self.pending_checkpoint = self.pending_checkpoint, None
-        return ray_get(ref, "checkpointer writing")
+        path = ray_get(ref, "checkpointer writing")
+        self.written.append(path)
+        return path
 
     def pull_weights(self) -> None:
         """Copy the learners' final weights into the trainer's agents (for save_model)."""

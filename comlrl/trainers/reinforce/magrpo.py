@@ -130,7 +130,10 @@ class MAGRPOTrainer:
         one round of engine calls; a multi-turn tree's size is known only once it is grown."""
         args, rows = self.args, self.train_rows
         total_epochs, size = args.num_train_epochs, args.rollout_buffer_size
-        bar = session.progress_bar(total=(total_epochs - session.epoch) * len(rows))
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=(total_epochs - session.epoch) * len(rows), desc="MAGRPO",
+                   unit="prompt", disable=not args.verbose, dynamic_ncols=True)
         if self.env_step == 0 and self._eval_due(0):
             session.log(self._evaluate_now(session), 0)
         for epoch in range(session.epoch, total_epochs):
