@@ -317,6 +317,15 @@ def commit_checkpoint(staging: Path, metadata: dict, total_limit: int | None = N
         owner = run_uid
     elif run_uid and owner != run_uid:
         raise CheckpointError(f"{staging} belongs to run {owner}, not to run {run_uid}.")
+    # Learners write their agent folders on their own node: without storage every node
+    # shares, the checkpointer's node would publish a checkpoint that lacks them.
+    lacking = [f"{agent}/{name}" for agent, names in metadata.get("agent_files", {}).items()
+               for name in names if not (staging / agent / name).exists()]
+    if lacking:
+        raise CheckpointWriteError(
+            f"{final.name} lacks {', '.join(lacking[:4])}, which the learners wrote: they "
+            f"write on their own node, so checkpoint_dir must be on storage every node shares "
+            f"(e.g. NFS) or all actors on one node.")
     files = {}
     for f in sorted(p for p in staging.rglob("*") if p.is_file()):
         rel = f.relative_to(staging).as_posix()

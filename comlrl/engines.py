@@ -96,7 +96,9 @@ class HFEngine:
         import torch
 
         with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=False)
+            result = self.model.load_state_dict(state_dict, strict=False)
+        check_loaded(self.model, result.missing_keys, result.unexpected_keys,
+                     "the new weights of this engine")
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         import torch
@@ -251,6 +253,19 @@ class _ReloadCheck(logging.Filter):
 
 def _warn(text: str) -> None:
     warnings.warn(text, stacklevel=2)
+
+
+def check_loaded(model: Any, missing: list[str], unexpected: list[str], what: str) -> None:
+    """Refuse a state dict that left a weight of `model` unloaded or held a foreign one. A
+    missing key is fine only when its tensor is tied to a loaded one (e.g. lm_head to the
+    embedding, which save_pretrained stores once)."""
+    tensors = dict(model.state_dict(keep_vars=True))
+    loaded = {tensors[k].data_ptr() for k in tensors if k not in set(missing)}
+    untied = [k for k in missing if tensors[k].data_ptr() not in loaded]
+    if untied or unexpected:
+        raise ValueError(f"{what} do not match the model: not loaded {untied[:5]}, unknown "
+                         f"{list(unexpected)[:5]}; the checkpoint or weights come from a "
+                         f"different architecture.")
 
 
 def _config_dtype(model_path: str) -> str:

@@ -621,3 +621,45 @@ def test_closures_over_arrays_tensors_and_tokenizer_like_objects():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fp(make_closure(Vocab(["a", "b"]))) != fp(make_closure(Vocab(["a", "c"])))
+
+
+def test_checkpoint_lacking_a_learners_files_is_not_published(tmp_path):
+    """On a cluster without shared storage the learners write their agent folders on their
+    own node: a checkpoint whose staging folder lacks files a learner reported writing is
+    refused with the fix, and never gets its public name."""
+    from comlrl.checkpoint import begin_staging, commit_checkpoint
+
+    staging = begin_staging(tmp_path, 1, RUN_A)
+    (staging / "agent_0").mkdir()
+    (staging / "agent_0" / "model.safetensors").write_bytes(b"w")
+    meta = {"run_uid": RUN_A, "env_step": 4,
+            "agent_files": {"agent_0": ["model.safetensors"], "agent_1": ["model.safetensors"]}}
+    with pytest.raises(CheckpointWriteError, match="agent_1/model.safetensors.*every node shares"):
+        commit_checkpoint(staging, meta)
+    assert not (tmp_path / "checkpoint-1").exists()
+
+
+def test_a_weight_left_unloaded_is_refused_unless_tied():
+    """Loading a state dict must load every weight: a missing key passes only when its tensor
+    is tied to a loaded one (lm_head sharing the embedding, stored once by save_pretrained)."""
+    import torch
+
+    from comlrl.engines import check_loaded
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 3)
+            self.head = torch.nn.Linear(3, 4, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = torch.nn.LayerNorm(3)
+
+    model = Tied()
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    result = model.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["head.weight"]
+    check_loaded(model, result.missing_keys, result.unexpected_keys, "tied")
+    state.pop("norm.weight")
+    result = model.load_state_dict(state, strict=False)
+    with pytest.raises(ValueError, match=r"not loaded \['norm.weight'\]"):
+        check_loaded(model, result.missing_keys, result.unexpected_keys, "untied")

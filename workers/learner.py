@@ -6,7 +6,6 @@ learner per agent, so agents train in parallel on separate cores or GPUs.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng_state.pt"
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_template")
 
 
 class Learner:
@@ -53,6 +53,12 @@ class Learner:
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.version = 0
+        folder = Path(model_path)
+        self.tokenizer_files = {  # kept to write beside the weights in every checkpoint
+            f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and
+            f.name.startswith(TOKENIZER_FILES)} if folder.is_dir() else {}
+        if isinstance(model_source, dict):
+            shutil.rmtree(model_path, ignore_errors=True)   # our copy; all of it is loaded
 
     # ------------------------------------------------------------ training
 
@@ -165,10 +171,9 @@ class Learner:
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
-        for name in os.listdir(self.model_path) if os.path.isdir(self.model_path) else []:
+        for name, data in self.tokenizer_files.items():
             # Tokenizer files travel with the weights so the folder loads on its own.
-            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-                shutil.copy2(Path(self.model_path) / name, out / name)
+            (out / name).write_bytes(data)
         torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
         torch.save({"torch": torch.random.get_rng_state(), "python": random.getstate(),
                     "version": self.version}, out / RNG_FILE)
@@ -183,11 +188,11 @@ class Learner:
         state: dict[str, Any] = {}
         for f in sorted(src.glob("*.safetensors")):
             state.update(load_file(str(f)))
+        from comlrl.engines import check_loaded
+
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
-        if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
-            raise ValueError(f"checkpoint {src} does not match agent {self.agent_index}'s model: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        check_loaded(self.model, missing, unexpected,
+                     f"checkpoint {src} (agent {self.agent_index})")
         self.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=False))
         rng = torch.load(src / RNG_FILE, weights_only=False)
         torch.random.set_rng_state(rng["torch"])

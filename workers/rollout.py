@@ -8,6 +8,7 @@ the receive methods of `workers.transport.WorkerEndpoint` (broadcast, CUDA IPC).
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import Any
 
@@ -21,8 +22,12 @@ class RolloutWorker(WorkerEndpoint):
         from workers.launch import materialize_model
 
         self.agent_index = agent_index
-        self.engine = make_engine(engine, materialize_model(model_source),
-                                  SamplingSettings(**sampling), **engine_kwargs)
+        model_path = materialize_model(model_source)
+        self.engine = make_engine(engine, model_path, SamplingSettings(**sampling),
+                                  **engine_kwargs)
+        if isinstance(model_source, dict):
+            # Our copy of the driver's folder: the engine has loaded all of it.
+            shutil.rmtree(model_path, ignore_errors=True)
         self.engine.on_problem = self.problem
         self.version = 0
 

@@ -396,8 +396,8 @@ class Session:
         self._warn_if_disk_is_short()
         staging = ray_get(self.checkpointer.begin.remote(self.epoch), "checkpointer")
         try:
-            ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
-                     for a, learner in enumerate(self.learners)], "learners saving")
+            written = ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
+                               for a, learner in enumerate(self.learners)], "learners saving")
         except ActorFailure:
             raise                           # a dead learner: the trainer heals the run
         except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
@@ -414,6 +414,7 @@ class Session:
             "policy_versions": list(self.engine_versions),
             "wandb": self.wandb.identity or {}, "run_uid": self.run_uid,
             "fingerprints": self.fingerprints, "created": time.time(),
+            "agent_files": {f"agent_{a}": names for a, names in enumerate(written)},
         }
         self.pending_checkpoint = self.checkpointer.commit.remote(self.epoch, metadata)
 
@@ -445,4 +446,4 @@ class Session:
         states = ray_get([l.get_weights.remote() for l in self.learners], "learners")
         with torch.no_grad():
             for model, state in zip(self.trainer._initial_models(), states):
-                model.load_state_dict(state, strict=False)
+                model.load_state_dict(state)        # strict: every weight, nothing else
