@@ -230,3 +230,23 @@ def test_tiny_model_spec():
     assert cli.tiny_kwargs("/models/qwen") is None
     with pytest.raises(cli.ConfigError, match="mapping"):
         cli.tiny_kwargs({"path": "x"})
+
+
+def test_resume_latest_passes_over_a_damaged_newest_checkpoint(tmp_path, capfd):
+    """`--resume latest` on a folder whose newest checkpoint was damaged (a file changed after
+    it was written) resumes from the one before, with a warning naming the damaged one, so an
+    automatically resubmitted job does not fail forever."""
+    from comlrl.checkpoint import begin_staging, commit_checkpoint
+    from workers.cli import resolve_resume
+
+    for epoch in (1, 2):
+        staging = begin_staging(tmp_path, epoch, "run-1")
+        (staging / "agent_0").mkdir()
+        (staging / "agent_0" / "model.safetensors").write_bytes(b"weights %d" % epoch)
+        commit_checkpoint(staging, {"run_uid": "run-1", "env_step": 8 * epoch,
+                                    "epoch": epoch})
+    (tmp_path / "checkpoint-2" / "agent_0" / "model.safetensors").write_bytes(b"garbage")
+    chosen = resolve_resume("latest", str(tmp_path))
+    assert chosen == tmp_path / "checkpoint-1"
+    said = "".join(capfd.readouterr())
+    assert f"skipping damaged {tmp_path / 'checkpoint-2'}" in said, said

@@ -88,3 +88,40 @@ def test_reward_errors_surface_from_training_before_any_update(ray_session, tiny
     assert "agent 0:" in str(info.value) and "agent 1:" in str(info.value)
     assert trainer.env_step == 0
     assert not list((tmp_path / "ckpt").glob("checkpoint-*"))
+
+
+def _exit_codes(wandb_dir):
+    """The exit code each offline W&B run folder under `wandb_dir` recorded when finished."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    codes = {}
+    for run in sorted((Path(wandb_dir) / "wandb").glob("offline-run-*")):
+        out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect",
+                              "--json", str(next(run.glob("*.wandb")))],
+                             capture_output=True, text=True, check=True).stdout
+        exits = [json.loads(line)["exit"]["exit_code"] for line in out.splitlines()
+                 if '"type":"exit"' in line.replace(" ", "")]
+        codes[run.name] = exits[-1] if exits else None
+    return codes
+
+
+def test_a_failed_run_is_not_recorded_as_a_success(ray_session, tiny_model, wandb_dir):
+    """A run that fails part-way (here the reward raises on its third call, after a logged
+    step) finishes its W&B run with exit code 1, not 0; the error reaches the caller."""
+    calls = []
+
+    def flaky_reward(completions1, completions2):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the reward service went away")
+        return [0.5] * len(completions1)
+
+    trainer = make_trainer(tiny_model, {"project": "comlrl-tests", "name": "fails"},
+                           reward=flaky_reward, max_new_tokens=8)
+    with pytest.raises(ValueError, match="reward_func raised RuntimeError: the reward service"):
+        trainer.train()
+    assert [r["_step"] for r in wandb_history(wandb_dir)] == [8]
+    assert list(_exit_codes(wandb_dir).values()) == [1]
