@@ -119,8 +119,8 @@ def check_checkpoint_dir(checkpoint_dir: str | os.PathLike, resume_meta: dict | 
         names = [n for n, _ in whole]
         uids = sorted({str(u) for _, u in whole})
         raise CheckpointError(
-            f"checkpoint_dir {d} already holds checkpoints of run {', '.join(uids)} "
-            f"({', '.join(names[-3:])}). Pass resume_from_checkpoint={d / names[-1]} (or "
+            f"checkpoint_dir {d} already holds checkpoints of another run (run "
+            f"{', '.join(uids)}: {', '.join(names[-3:])}). Pass resume_from_checkpoint={d / names[-1]} (or "
             f"another of them) to continue that run, or {fix_empty}.")
     if resuming:
         others = [f"{n} (run {u})" for n, u in whole + leftovers if u != run_uid]
