@@ -3,7 +3,7 @@ after each; the run still logs every env_step exactly once with the straight run
 publishes only whole checkpoints (bit-identical to the straight run's), and touches no file
 that is not its own.
 
-Reference: tests/test_resume.py's `straight` fixture (the seed example: 2 agents, 4 prompts,
+Reference: the session's `straight` fixture (tests/conftest.py) (the seed example: 2 agents, 4 prompts,
 K=4, 4 epochs, a checkpoint per epoch; env_steps 8, 16, ..., 64, 16 per epoch).
 
 The victim is ONE run folder that goes through ten processes ("lives") of
@@ -73,8 +73,8 @@ import pytest
 
 from comlrl.checkpoint import list_checkpoints, read_checkpoint_metadata, verify_checksums
 from tests.conftest import ROOT, wandb_history
-from tests.test_resume import (  # noqa: F401  (straight: the reference run, a fixture)
-    _by_step, _env, _journal_step, _same_weights, _seed_cmd, _Watcher, straight,
+from tests.test_resume import (
+    _by_step, _env, _journal_step, _same_weights, _seed_cmd, _Watcher,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -285,7 +285,7 @@ def _place_foreign_files(run: Path, wandb_dir: Path) -> list[Path]:
             wandb_dir / "keep.txt"]
 
 
-def test_chaos_kills_and_stop_then_resume_match_straight_run(  # noqa: F811  (straight)
+def test_chaos_kills_and_stop_then_resume_match_straight_run(
         straight, tiny_model, tmp_path):
     began = time.monotonic()
     chain = _Chain(tiny_model, tmp_path)

@@ -13,6 +13,7 @@ import pytest
 from comlrl import magrpo
 from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
 from comlrl.rollout import StepRecord, run_episode_batch
+from tests.test_rollout_tree import FakeSession, FakeTokenizer
 
 # ---------------------------------------------------------------- config: comlrl's fields
 
@@ -333,22 +334,6 @@ def test_a_bare_number_is_the_reward_of_a_single_joint_action():
 # ---------------------------------------------------------------- the rollout's reward call
 
 
-class _Tok:
-    eos_token_id = 0
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(ch) % 50 + 1 for ch in text] or [1]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(96 + i) for i in ids if i != 0)
-
-
-class _Session:
-    def generate(self, requests_per_agent, record):
-        return [[[{"token_ids": [a + 1] * (k + 1) + [0], "logprobs": []} for k in range(r["n"])]
-                 for r in reqs] for a, reqs in enumerate(requests_per_agent)]
-
-
 @pytest.mark.parametrize("joint_mode,n_joint", [("aligned", 3), ("cross", 9)])
 def test_rollout_passes_prompts_and_rows_aligned_with_the_joint_actions(joint_mode, n_joint):
     """comlrl (MAGRPOTrainer.train, recording reward(c1, c2, prompts=None, batch_items=None),
@@ -363,14 +348,14 @@ def test_rollout_passes_prompts_and_rows_aligned_with_the_joint_actions(joint_mo
         return [0.0] * len(c1)
 
     row = {"prompt": "hello", "extra": 7}
-    tok = _Tok()
+    tok = FakeTokenizer()
     trainer = SimpleNamespace(
         args=MAGRPOConfig(num_generations=3, num_turns=1, joint_mode=joint_mode),
         num_agents=2, tokenizers=[tok, tok], env_step=0,
         formatters=[lambda r, external_prompts=None: "F:" + r["prompt"]] * 2,
         reward_func=reward, reward_style=magrpo.reward_call_style(reward, 2),
         reward_processor=None, external_transition=None, train_rows=[row])
-    run_episode_batch(trainer, _Session(), 0, [0], StepRecord())
+    run_episode_batch(trainer, FakeSession(), 0, [0], StepRecord())
     assert len(calls) == 1
     c1, c2, prompts, batch_items = calls[0]
     assert len(c1) == len(c2) == n_joint
@@ -387,14 +372,14 @@ def test_prompts_first_reward_trains_through_the_rollout():
         seen.append((prompts, c1, c2))
         return [float(len(a)) for a in c1]
 
-    tok = _Tok()
+    tok = FakeTokenizer()
     trainer = SimpleNamespace(
         args=MAGRPOConfig(num_generations=2, num_turns=1), num_agents=2,
         tokenizers=[tok, tok], env_step=0,
         formatters=[lambda r, external_prompts=None: "F:" + r["prompt"]] * 2,
         reward_func=reward, reward_style=magrpo.reward_call_style(reward, 2),
         reward_processor=None, external_transition=None, train_rows=[{"prompt": "hello"}])
-    (episode,) = run_episode_batch(trainer, _Session(), 0, [0], StepRecord())
+    (episode,) = run_episode_batch(trainer, FakeSession(), 0, [0], StepRecord())
     assert seen == [(["F:hello", "F:hello"], ["a", "aa"], ["b", "bb"])]
     assert episode.root.rewards == [1.0, 2.0]
 

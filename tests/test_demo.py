@@ -1,65 +1,16 @@
 """The README's first command: examples/resume_demo.py, run once as a user runs it.
 
-One module-scoped run (`demo_run`) serves every test here, so checks of its picture and of its
-console output share the one demo run.
+The session's one demo run (`demo_run`, tests/conftest.py) serves every test here and the
+resume tests of tests/test_resume.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
-
-from tests.conftest import ROOT, TEST_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
-
-
-class DemoRun:
-    """What one demo run left: the finished process (its console in `output`), its output
-    folder, where its training-curve picture should be, and how long it took."""
-
-    def __init__(self, proc: subprocess.CompletedProcess, output_dir: Path, seconds: float):
-        self.proc = proc
-        self.output_dir = output_dir
-        self.png_path = output_dir / "training-curve.png"
-        self.seconds = seconds
-
-    @property
-    def output(self) -> str:
-        """The console as the user sees it: stdout and stderr in the order written."""
-        return self.proc.stdout
-
-    @property
-    def lines(self) -> list[str]:
-        return self.output.splitlines()
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> DemoRun:
-    """`.venv/bin/python examples/resume_demo.py --output-dir <tmp>`, from the repository root,
-    with the tests' local, offline environment."""
-    output_dir = tmp_path_factory.mktemp("demo") / "resume-demo"
-    env = {**os.environ, **TEST_ENV}
-    for inherited in ("WANDB_DIR", "WANDB_SERVICE", "RAY_ADDRESS", "COMLRL_MODEL",
-                      "COMLRL_OUTPUT"):
-        env.pop(inherited, None)  # the demo decides these itself, as on a user's machine
-    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
-    start = time.monotonic()
-    proc = subprocess.run([str(python), "examples/resume_demo.py", "--output-dir",
-                           str(output_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=900,
-                          start_new_session=True)
-    run = DemoRun(proc, output_dir, time.monotonic() - start)
-    print(f"resume_demo.py took {run.seconds:.0f} s")
-    return run
 
 
 def test_demo_exits_zero_with_a_short_console_a_summary_and_actor_logs(demo_run):

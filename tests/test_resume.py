@@ -79,22 +79,11 @@ def _same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tiny_model, tmp_path_factory):
-    """4 epochs in one call, one process."""
-    d = tmp_path_factory.mktemp("straight")
-    _run(_seed_cmd(tiny_model, d / "ckpt", 4), _env(d / "wandb"))
-    return d
-
-
-@pytest.fixture(scope="module")
-def seed_example(tmp_path_factory):
-    """examples/resume_demo.py as written: 2 epochs, then resume to 4 in a new trainer."""
-    d = tmp_path_factory.mktemp("example")
-    env = _env(d / "wandb")
-    env.pop("WANDB_DIR")
-    proc = _run([sys.executable, str(ROOT / "examples" / "resume_demo.py"),
-                 "--output-dir", str(d)], env, timeout=600)
-    return d, proc
+def seed_example(demo_run):
+    """examples/resume_demo.py as written: 2 epochs, then resume to 4 in a new trainer (the
+    session's one demo run, tests/conftest.py)."""
+    assert demo_run.proc.returncode == 0, demo_run.output[-6000:]
+    return demo_run.output_dir, demo_run.proc
 
 
 def test_seed_example_runs_as_written_into_one_wandb_run(seed_example):

@@ -230,6 +230,21 @@ def one_worker_run(ray_session, tiny_model, tmp_path_factory, monkeypatch_module
     return _by_step(wandb_history(d))
 
 
+def _wrap_each_session(monkeypatch, wrap):
+    """Call `wrap(session)` on every workers.session.Session once it has started, so a test
+    can put fault injection around its verbs."""
+    from workers.session import Session
+
+    enter = Session.__enter__
+
+    def enter_and_wrap(session):
+        enter(session)
+        wrap(session)
+        return session
+
+    monkeypatch.setattr(Session, "__enter__", enter_and_wrap)
+
+
 @pytest.fixture(scope="module")
 def monkeypatch_module():
     mp = pytest.MonkeyPatch()
@@ -250,8 +265,6 @@ def test_two_workers_per_agent_and_killed_workers_log_the_same_values(
     the kills, e.g. `wrap` returning at once, to tell a worker-count difference from a
     restart difference.)"""
     import ray
-
-    from workers.session import Session
 
     trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "two-workers-kills"},
                        rollout_workers_per_agent=2, rollout_num_cpus=0.25)
@@ -282,14 +295,7 @@ def test_two_workers_per_agent_and_killed_workers_log_the_same_values(
 
         session.generate, session.push_weights = generate_then_kill, kill_then_push
 
-    enter = Session.__enter__
-
-    def enter_and_wrap(session):
-        enter(session)
-        wrap(session)
-        return session
-
-    monkeypatch.setattr(Session, "__enter__", enter_and_wrap)
+    _wrap_each_session(monkeypatch, wrap)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -335,7 +341,6 @@ def test_dead_learner_and_checkpointer_are_healed_in_the_job(one_worker_run, tin
     import ray
 
     from comlrl.checkpoint import verify_checksums
-    from workers.session import Session
 
     trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "heal"})
     calls = {"update": 0, "save": 0}
@@ -361,14 +366,7 @@ def test_dead_learner_and_checkpointer_are_healed_in_the_job(one_worker_run, tin
         session.update_and_push, session.save_checkpoint = (kill_learner_then_update,
                                                             kill_checkpointer_then_save)
 
-    enter = Session.__enter__
-
-    def enter_and_wrap(session):
-        enter(session)
-        wrap(session)
-        return session
-
-    monkeypatch.setattr(Session, "__enter__", enter_and_wrap)
+    _wrap_each_session(monkeypatch, wrap)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train(checkpoint_dir=str(tmp_path / "ckpt"))
