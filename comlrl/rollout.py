@@ -17,7 +17,8 @@ from comlrl import magrpo
 
 @dataclass
 class StepRecord:
-    """What one training step measured (seconds, tokens, versions, learner results), for its log line."""
+    """What one training step measured (seconds, tokens, versions, learner results), for its
+    log line."""
 
     generation: float = 0.0
     learning: float = 0.0

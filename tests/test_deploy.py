@@ -318,6 +318,7 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
     steps = [r["_step"] for r in history if "turn_1/reward_mean" in r]
     assert len(steps) == len(set(steps)), f"duplicate env_steps in W&B: {sorted(steps)}"
     # Aligned single turn: +4 env_steps per prompt, an update (and a log) every 2 prompts.
-    # A point logged just before the stop may be missing (`ray job stop` signals the whole
-    # process group, W&B's service too, before it flushes); a duplicate never is.
-    assert max(steps) == 64 and set(steps) <= set(range(8, 65, 8)), sorted(steps)
+    # `ray job stop` signals the whole process group, W&B's service too, so rows in flight can
+    # be lost; the checkpoint carries its rows and the resumed job re-sends the ones the run's
+    # files lack, and redoes the rest: every step once, none missing.
+    assert sorted(steps) == list(range(8, 65, 8)), sorted(steps)

@@ -70,8 +70,8 @@ class Session:
     def __enter__(self) -> "Session":
         try:
             self._start()
-        except BaseException:
-            self.__exit__(None, None, None)
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)   # a failed start, not 0
             raise
         return self
 
@@ -146,9 +146,9 @@ class Session:
             tensor_parallel_size=args.tensor_parallel_size,
             enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
             threads=args.rollout_threads or max(1, cores // n_workers))
-        specs = {(a, i): (RolloutWorker, self.logs.place(placed[a * per_agent + i], "rollout", a, i),
-                          a, sources[a],
-                          args.rollout_engine,
+        specs = {(a, i): (RolloutWorker,
+                          self.logs.place(placed[a * per_agent + i], "rollout", a, i),
+                          a, sources[a], args.rollout_engine,
                           {**sampling, "stop_token_ids": (trainer.tokenizers[a].eos_token_id,)},
                           engine_kwargs)
                  for a in range(trainer.num_agents) for i in range(per_agent)}
@@ -380,7 +380,8 @@ class Session:
     def log_step(self, nodes: list[Node], record: StepRecord, extra: dict, step: int) -> None:
         """An update's training metrics at `step` (every `logging_steps` env_steps) plus
         `extra`."""
-        if self.last_train_log >= 0 and step - self.last_train_log < self.trainer.args.logging_steps:
+        logging_steps = self.trainer.args.logging_steps
+        if self.last_train_log >= 0 and step - self.last_train_log < logging_steps:
             self.log(extra, step)
             return
         self.last_train_log = step

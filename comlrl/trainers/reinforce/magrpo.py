@@ -31,7 +31,8 @@ class MAGRPOTrainer:
     """Multi-agent GRPO with vLLM rollout workers and per-agent learners on Ray.
 
     Arguments follow comlrl 1.4.3: `agents=[HF models or names]` or `agent_model="name-or-path"`
-    with `num_agents`, `tokenizer` (one, or one per agent; loaded from the names if omitted), `reward_func(completions_agent0, ...)`,
+    with `num_agents`, `tokenizer` (one, or one per agent; loaded from the names if omitted),
+    `reward_func(completions_agent0, ...)`,
     `train_dataset` with a `prompt` column, `args=MAGRPOConfig(...)`, `wandb_config` (None: no
     W&B). Constructing it validates everything and starts nothing heavy.
     """
