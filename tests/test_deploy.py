@@ -304,6 +304,12 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
         logs_b = _ray(env, "job", "logs", "--address", address, "seed-b").stdout
         assert _job_status(address, "seed-b") == "SUCCEEDED", logs_b[-5000:]
         assert "MAGRPO" in logs_b and "env_step=64" in logs_b, logs_b[-3000:]
+        # What `ray job logs` shows is the quiet console: a header and a summary around the
+        # bar; the actors' own output went to their log files.
+        for said in ("comlrl-split: actors started: ", "comlrl-split: checkpoints written: ",
+                     "comlrl-split: W&B run: ", "comlrl-split: actor logs: "):
+            assert said in logs_b, (said, logs_b[-3000:])
+        assert "RotaryEmbedding" not in logs_b and "Loading weights" not in logs_b
         assert re.search(r"resume=\S+/checkpoints/checkpoint-[123]\b", logs_b), logs_b[-3000:]
         assert second.returncode == 0
     finally:
