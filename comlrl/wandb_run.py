@@ -36,7 +36,6 @@ class WandbRun:
         self.floor = last_logged_step if logged_steps is None else -1
         self.logged_steps = set(logged_steps or ())
         self.rows = [list(r) for r in rows or []]
-        self.resent = 0
         self.high = -1                      # highest step handled by this process
         self.run = None
         self.identity: dict | None = None
@@ -72,7 +71,6 @@ class WandbRun:
         for step, metrics in sorted(self.rows, key=lambda r: r[0]):
             if step > self.floor and step not in self.logged_steps:
                 self._send(metrics, step)
-                self.resent += 1
                 self.high = max(self.high, int(step))
         # SIGTERM (ray job stop, kill) finishes the run cleanly, then exits as asked.
         try:
@@ -139,7 +137,7 @@ def open_wandb_run(trainer: Any, meta: dict | None, checkpoint_dir: str | None) 
         trainer.wandb_config = cfg
     floor, logged, rows = -1, None, []
     if meta is not None and cfg is not None:
-        run_id = cfg.get("id") or identity.get("id")
+        run_id = cfg.get("id") or (identity or {}).get("id")
         logged = steps_on_disk(run_id, cfg) if run_id else None
         journal = read_journal(checkpoint_dir, run_id) if checkpoint_dir else -1
         floor = max(int(meta.get("last_logged_step", -1)), journal)

@@ -231,3 +231,22 @@ def test_three_agents_and_two_workers_per_agent_run_with_default_resources(tiny_
     # 2 prompts x K=2: 3 agents aligned -> 2 joint actions per prompt, 4 env_steps per run.
     assert [r[2] for r in runs] == ["env_step=4", "env_step=4"]
     assert all(float(r[3].split("=")[1]) >= 3 for r in runs)
+
+
+def test_resume_of_a_run_that_had_no_wandb_identity_opens_a_run(wandb_dir):
+    """A checkpoint written while W&B was off holds no identity; resuming it with a
+    `wandb_config` that names no id starts a fresh W&B run instead of failing."""
+    from types import SimpleNamespace
+
+    from comlrl.config import MAGRPOConfig
+    from comlrl.wandb_run import open_wandb_run
+
+    trainer = SimpleNamespace(wandb_config={"project": "comlrl-tests"}, last_wandb_identity=None,
+                              algorithm_name="MAGRPO", num_agents=2, args=MAGRPOConfig())
+    run = open_wandb_run(trainer, {"wandb": {}, "last_logged_step": -1, "env_step": 8}, None)
+    try:
+        assert run.identity and run.identity["id"]
+        assert trainer.last_wandb_identity == run.identity
+        assert "id" not in trainer.wandb_config
+    finally:
+        run.finish()

@@ -220,14 +220,14 @@ class Session:
                 if not is_alive(learner)]
         if self.checkpointer is not None and not is_alive(self.checkpointer):
             dead.append("checkpointer")
-        newest = list_checkpoints(self.checkpoint_dir, self.run_uid) if self.checkpoint_dir \
-            else []
-        resume = (f"resume with train(resume_from_checkpoint={str(newest[-1])!r}, ...)"
-                  if newest else "start the run again")
         if not dead:
             raise failure
         self.actor_restarts += 1
+        newest = list_checkpoints(self.checkpoint_dir, self.run_uid) if self.checkpoint_dir \
+            else []
         if self.actor_restarts > self.trainer.args.max_actor_restarts:
+            resume = (f"resume with train(resume_from_checkpoint={str(newest[-1])!r}, ...)"
+                      if newest else "start the run again")
             raise RuntimeError(
                 f"{', '.join(dead)} died ({first_line(failure)}), and this run already "
                 f"restarted its learners {self.trainer.args.max_actor_restarts} times "
@@ -236,7 +236,7 @@ class Session:
         kill_actors(self.learners + ([self.checkpointer] if self.checkpointer else []))
         self.learners = [start_actor(*spec, **kw) for spec, kw in self.learner_specs]
         if self.checkpoint_dir:
-            self._start_checkpointer(fresh=False)
+            self._start_checkpointer(fresh=False)   # its clean-up may restore a checkpoint
             newest = list_checkpoints(self.checkpoint_dir, self.run_uid)
         for a, learner in enumerate(self.learners):
             self.transport.connect(a, learner, self.workers[a])
