@@ -21,8 +21,11 @@ def test_demo_exits_zero_with_a_short_console_a_summary_and_actor_logs(demo_run)
     shown = [line for line in demo_run.output.split("\n") if line.strip()]
     assert len(shown) < 40, "\n".join(shown)
     out = demo_run.output
+    # The resume's train() takes the actors the first one parked (workers/actors.py).
     assert out.count("comlrl-split: actors started: 2 rollout workers, 2 learners, "
-                     "1 checkpointer") == 2
+                     "1 checkpointer") == 1
+    assert out.count("comlrl-split: actors reused from the previous train(): 2 rollout "
+                     "workers, 2 learners, 1 checkpointer") == 1
     assert "checkpoints written: checkpoint-1, checkpoint-2 in " in out
     assert "checkpoints written: checkpoint-3, checkpoint-4 in " in out
     assert out.count("comlrl-split: W&B run: ") == 2

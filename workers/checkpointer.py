@@ -32,6 +32,10 @@ class Checkpointer:
         self.run_uid = run_uid
         self.before_publish = before_publish
 
+    def reset(self, *args: Any) -> None:
+        """Serve another train() of this process (same arguments as the constructor)."""
+        Checkpointer.__init__(self, *args)
+
     def clean(self, fresh_start: bool = False) -> list[str]:
         """Restore a checkpoint a crash left only in `.trash-`, then remove leftovers: this
         run's, or (`fresh_start`, after check_checkpoint_dir accepted the folder) those of

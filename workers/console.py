@@ -172,12 +172,14 @@ def quiet_progress_bars(full: bool = False) -> Iterator[None]:
 
 
 def header(output: str | os.PathLike | None, model: str, actors: dict[str, int],
-           logs: ActorLogs | None = None, file: Any = None) -> str:
-    """The lines printed when a `train()` has started its actors; returns them."""
+           logs: ActorLogs | None = None, file: Any = None, reused: bool = False) -> str:
+    """The lines printed when a `train()` has started its actors (or, `reused`, taken those
+    of this process's previous train()); returns them."""
     started = ", ".join(f"{n} {role}{'s' if n != 1 else ''}" for role, n in actors.items() if n)
+    how = "reused from the previous train()" if reused else "started"
     lines = [f"checkpoints go to: {output}" if output else "checkpoints: none (no checkpoint_dir)",
              f"model: {model}",
-             f"actors started: {started or 'none'}"
+             f"actors {how}: {started or 'none'}"
              + (f" (their output: {logs.folder})" if logs and logs.folder else "")]
     for line in lines:
         say(line, file)

@@ -28,6 +28,9 @@ LOCAL_RAY_ENV = {
 
 # The local Ray this process started, if any: {"num_cpus", "object_store"}.
 _LOCAL_RAY: dict = {}
+# The actors a clean `train()` left running on that Ray for the next one ({"actors":
+# workers.actors.Actors}); they die with it.
+_WARM: dict = {}
 
 
 class ActorFailure(RuntimeError):
@@ -72,6 +75,7 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: floa
             return True
         ray.shutdown()
         _LOCAL_RAY.clear()
+        _WARM.clear()
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
     env = {"env_vars": {**LOCAL_RAY_ENV, **ENGINE_ENV}}

@@ -27,6 +27,11 @@ class Learner:
 
         from workers.launch import materialize_model
 
+        # A learner started over for a later train() (`reinit`) begins from the global RNG
+        # state a new process has here, so its run matches one in a fresh actor.
+        if not hasattr(self, "initial_rng"):
+            self.initial_rng = torch.random.get_rng_state()
+        torch.random.set_rng_state(self.initial_rng)
         model_path = materialize_model(model_source)
         if threads:
             torch.set_num_threads(threads)
@@ -59,6 +64,13 @@ class Learner:
             f.name.startswith(TOKENIZER_FILES)} if folder.is_dir() else {}
         if isinstance(model_source, dict):
             shutil.rmtree(model_path, ignore_errors=True)   # our copy; all of it is loaded
+
+    def reinit(self, agent_index: int, model_source: str | dict, **settings: Any) -> int:
+        """Start over as a new learner built with these arguments would: weights and
+        reference from `model_source`, a fresh optimizer, version 0 (a warm actor taken by a
+        later train(), workers/actors.py)."""
+        Learner.__init__(self, agent_index, model_source, **settings)
+        return self.version
 
     # ------------------------------------------------------------ training
 

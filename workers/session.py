@@ -55,6 +55,7 @@ class Session:
         self.written: list[str] = []        # checkpoints this train() published
         self.wandb_info: dict | None = None  # the W&B run, for the closing summary
         self.actor_restarts = 0             # learner/checkpointer restarts (`heal`)
+        self.actor_key = ""                 # what shaped the actors (workers.actors.warm_key)
 
     @property
     def workers(self) -> list[list]:
@@ -78,14 +79,12 @@ class Session:
     def _start(self) -> None:
         import ray
 
-        from workers.launch import (
-            check_resources, ensure_ray, pack_model_folder, place, plan_placement,
-            ray_get, start_actor,
+        from workers.actors import (
+            actor_settings, drop_warm, reinit_learners, start_actors, take_warm, warm_key,
         )
-        from workers.learner import Learner
-        from workers.pool import RolloutPool
-        from workers.rollout import RolloutWorker
-        from workers.transport import with_learner_endpoint
+        from workers.launch import (
+            check_resources, ensure_ray, kill_actors, plan_placement, ray_get,
+        )
 
         trainer, args = self.trainer, self.trainer.args
         # Actor output goes to a log file per actor unless full output is asked for.
@@ -120,8 +119,7 @@ class Session:
 
         weight_bytes = sum(p.numel() * p.element_size() for m in trainer._initial_models()
                            for p in m.state_dict().values())
-        per_agent = args.rollout_workers_per_agent
-        n_workers = trainer.num_agents * per_agent
+        n_workers = trainer.num_agents * args.rollout_workers_per_agent
         # One placement-group bundle per actor (workers.launch.plan_placement says why PACK,
         # or STRICT_PACK for single_gpu); impossible requests fail here, naming the setting.
         plan = plan_placement(args, trainer.num_agents)
@@ -135,58 +133,45 @@ class Session:
         # Threads follow the real cores of a Ray we started (its CPU count may be larger).
         cores = max(1, (os.cpu_count() or 1) if self.started_ray
                     else int(ray.cluster_resources().get("CPU", 1)))
-        placed, self.placement_group = place(needs, plan["strategy"], args.placement_timeout_s)
-        sources = [ray.put(pack_model_folder(f)) for f in folders]
-        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k)
-        engine_kwargs = dict(
-            dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
-            max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=plan["gpu_memory_utilization"],
-            tensor_parallel_size=args.tensor_parallel_size,
-            enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
-            threads=args.rollout_threads or max(1, cores // n_workers))
-        specs = {(a, i): (RolloutWorker,
-                          self.logs.place(placed[a * per_agent + i], "rollout", a, i),
-                          a, sources[a], args.rollout_engine,
-                          {**sampling, "stop_token_ids": (trainer.tokenizers[a].eos_token_id,)},
-                          engine_kwargs)
-                 for a in range(trainer.num_agents) for i in range(per_agent)}
-        self.pool = RolloutPool(specs, trainer.num_agents, per_agent)
-        self.pool.on_restart = self._on_worker_restart
-        if not self.for_eval:
-            # Kept to restart learners (and the checkpointer) that die, with the same
-            # arguments and bundles (`heal`).
-            self.learner_specs = [
-                ((with_learner_endpoint(Learner),
-                  self.logs.place(placed[n_workers + a], "learner", a), a, sources[a]),
-                 dict(learning_rate=args.agent_learning_rate,
-                      train_batch_size=args.train_batch_size,
-                      loss_aggregation=args.loss_aggregation,
-                      advantage_mode=args.advantage_mode,
-                      advantage_normalization=args.advantage_normalization,
-                      reference_kl_coef=(args.reference_kl_coef
-                                         if args.reference_kl_enabled else None),
-                      device=args.learner_device_for(a, trainer.num_agents),
-                      threads=args.learner_threads or max(1, cores // trainer.num_agents)))
-                for a in range(trainer.num_agents)]
-            self.learners = [start_actor(*spec, **kw) for spec, kw in self.learner_specs]
+        settings = actor_settings(trainer, plan, cores, n_workers)
+        key = self.actor_key = warm_key(settings, needs, plan, folders, self.logs.folder,
+                                        args.ray_address)
+        # Actors a clean train() of this process parked (workers/actors.py), if they fit.
+        warm = take_warm(key) if self.started_ray and not self.for_eval else drop_warm()
+        actors = warm or start_actors(trainer, self.logs, key, settings, needs, plan, folders,
+                                      self.fingerprints["models"], self.for_eval)
+        self.pool, self.learners = actors.pool, actors.learners
+        self.learner_specs, self.placement_group = actors.learner_specs, actors.placement_group
+        self.checkpointer, self.transport = actors.checkpointer, actors.transport
+        self.pool.restarts, self.pool.on_restart = 0, self._on_worker_restart
+        if warm is not None and (meta is None or warm.models != self.fingerprints["models"]):
+            # Taken warm: the learners start over from this run's models (a resume then
+            # loads its checkpoint over them; the reference model stays this run's).
+            self.learner_specs = reinit_learners(self.learners, self.learner_specs, folders)
         if self.checkpoint_dir and not self.for_eval:
             self._start_checkpointer(fresh=meta is None)
+        elif self.checkpointer is not None:        # a warm one this run has no use for
+            kill_actors([self.checkpointer])
+            self.checkpointer = None
         ray_get([w.get_version.remote() for w in self.pool.actors + self.learners],
                 "starting rollout workers and learners")
         if not self.for_eval:
             console.header(Path(self.checkpoint_dir).resolve() if self.checkpoint_dir
                            else None, trainer.model_name,
                            {"rollout worker": n_workers, "learner": len(self.learners),
-                            "checkpointer": int(self.checkpointer is not None)}, self.logs)
-        self.transport = self._connect_transport(plan)
+                            "checkpointer": int(self.checkpointer is not None)}, self.logs,
+                           reused=warm is not None)
+        if self.transport is None:
+            from workers.actors import connect_transport
+
+            self.transport = connect_transport(args, plan, self.learners, self.workers)
         self.pool.attach(self.learners, self.transport)
         if meta is not None:
             # Restore learners, then give every engine the restored weights before any rollout.
             self.engine_versions = ray_get(
                 [learner.load.remote(str(Path(self.resume_path) / f"agent_{a}"))
                  for a, learner in enumerate(self.learners)], "restoring learners")
+        if meta is not None or warm is not None:
             self.push_weights()
         self.wandb = open_wandb_run(trainer, meta, self.checkpoint_dir)
         self.wandb_info = console.wandb_info(self.wandb.run)   # its folder, while it is open
@@ -197,10 +182,13 @@ class Session:
 
         # `_checkpoint_before_publish`: a test hook run in the checkpointer just before a
         # staged checkpoint is published (tests kill the run there).
-        self.checkpointer = start_actor(
-            Checkpointer, self.logs.place(Placement(), "checkpointer"), self.checkpoint_dir,
-            self.total_limit, self.run_uid,
-            getattr(self.trainer, "_checkpoint_before_publish", None))
+        settings = (self.checkpoint_dir, self.total_limit, self.run_uid,
+                    getattr(self.trainer, "_checkpoint_before_publish", None))
+        if self.checkpointer is None:
+            self.checkpointer = start_actor(
+                Checkpointer, self.logs.place(Placement(), "checkpointer"), *settings)
+        else:                                        # a warm one, for this run's folder
+            ray_get(self.checkpointer.reset.remote(*settings), "checkpointer")
         ray_get(self.checkpointer.clean.remote(fresh_start=fresh), "checkpointer")
         self._warn_if_disk_is_short()
 
@@ -257,33 +245,10 @@ class Session:
                       f"{self.trainer.env_step}), redoing the work since (restart "
                       f"{self.actor_restarts} of at most {self.trainer.args.max_actor_restarts}).")
 
-    def _connect_transport(self, plan: dict):
-        """The weight transport `plan` chose, connected to every learner and its workers.
-
-        With weight_transport='auto', a GPU transport that cannot be set up falls back to the
-        object store with a warning; an explicit choice fails instead."""
-        import warnings
-
-        from workers.transport import ObjectStoreTransport, make_transport
-
-        args = self.trainer.args
-        gpus = plan["learner"].num_gpus > 0 and plan["rollout"].num_gpus > 0
-        transport = make_transport(plan["transport"], backend="nccl" if gpus else "gloo",
-                                   bucket_bytes=args.weight_bucket_bytes)
-        try:
-            for a, learner in enumerate(self.learners):
-                transport.connect(a, learner, self.workers[a])
-        except Exception as exc:
-            if args.weight_transport != "auto":
-                raise
-            warnings.warn(f"weight_transport='auto' chose {transport.name!r}, which could not "
-                          f"be set up ({exc}); pushing weights through the Ray object store.")
-            transport = ObjectStoreTransport()
-        return transport
-
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Stop everything, each step whatever the others did. W&B is told the truth: a run
         that failed or was stopped finishes with a nonzero exit code."""
+        from workers.actors import Actors, park
         from workers.launch import kill_actors, remove_placement
 
         if exc_type is None:
@@ -292,10 +257,21 @@ class Session:
             exit_code = exc.code if isinstance(exc.code, int) and exc.code else 1
         else:
             exit_code = 1
+        def release_actors() -> None:
+            # A clean train() on a Ray this process started parks its actors for the next
+            # train() (workers/actors.py); anything else kills them.
+            if exit_code == 0 and first_error is None and self.started_ray \
+                    and not self.for_eval and self.pool is not None:
+                park(Actors(self.actor_key, self.pool, self.learners, self.learner_specs,
+                            self.checkpointer, self.placement_group, self.transport,
+                            self.fingerprints["models"]))
+            else:
+                kill_actors(self.actors)
+                remove_placement(self.placement_group)
+
         steps = [self.wait_checkpoint,
                  lambda: self.wandb is not None and self.wandb.finish(exit_code),
-                 lambda: kill_actors(self.actors),
-                 lambda: remove_placement(self.placement_group),
+                 release_actors,
                  lambda: self.tmp is not None and self.tmp.cleanup()]
         first_error = None
         for step in steps:

@@ -1,0 +1,190 @@
+"""The actors one `train()` runs on: built, started (or taken warm from this process's previous
+`train()`), wired to a weight transport, then parked or killed when it ends.
+
+Warm actors: on a local Ray this process started, a `train()` that ends cleanly parks its
+actors instead of killing them. The next `train()` whose actors would be built the same way
+(`warm_key`: roles and resources, engine, sampling and learner settings, the models'
+architecture and tokenizer files, the log folder) takes them: its learners start over from
+its own models (`Learner.reinit`) or load its checkpoint, and those weights are pushed to the
+engines before any rollout, so it computes what fresh actors would. The seed example's resume
+so starts in about a second instead of importing vLLM and torch in five new processes
+(BENCHMARKS.md). Any other start drops them first: parked actors hold their Ray resources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workers.launch import _WARM, kill_actors, remove_placement
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass
+class Actors:
+    """One train()'s actors and what they were built from."""
+
+    key: str
+    pool: Any                                     # workers.pool.RolloutPool
+    learners: list = field(default_factory=list)
+    learner_specs: list = field(default_factory=list)   # to restart a learner (`Session.heal`)
+    checkpointer: Any = None
+    placement_group: Any = None
+    transport: Any = None
+    models: list = field(default_factory=list)    # fingerprints of the weights learners loaded
+
+    def all(self) -> list:
+        return self.pool.actors + self.learners + \
+            ([self.checkpointer] if self.checkpointer is not None else [])
+
+
+def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict:
+    """What every actor is built with, apart from its placement and the weights."""
+    args = trainer.args
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_p=args.top_p, top_k=args.top_k)
+    return {
+        "engine": args.rollout_engine,
+        "sampling": [{**sampling, "stop_token_ids": (tok.eos_token_id,)}
+                     for tok in trainer.tokenizers],
+        "engine_kwargs": dict(
+            dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
+            max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=plan["gpu_memory_utilization"],
+            enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
+            threads=args.rollout_threads or max(1, cores // n_workers)),
+        "learner": [dict(learning_rate=args.agent_learning_rate,
+                         train_batch_size=args.train_batch_size,
+                         loss_aggregation=args.loss_aggregation,
+                         advantage_mode=args.advantage_mode,
+                         advantage_normalization=args.advantage_normalization,
+                         reference_kl_coef=(args.reference_kl_coef
+                                            if args.reference_kl_enabled else None),
+                         device=args.learner_device_for(a, trainer.num_agents),
+                         threads=args.learner_threads or max(1, cores // trainer.num_agents))
+                    for a in range(trainer.num_agents)],
+    }
+
+
+def model_shape(folder: str) -> str:
+    """A digest of a model folder without its weights: config, generation config, tokenizer.
+    Actors built from folders with equal shapes differ only in weights, which are pushed."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def warm_key(settings: dict, needs: list, plan: dict, folders: list[str], log_folder: Any,
+             address: str | None) -> str:
+    """Everything that shapes the actors; equal keys mean the parked actors can be taken."""
+    return repr((settings, [(role, p.bundle(), p.env) for role, p in needs],
+                 plan["strategy"], plan["transport"],
+                 [model_shape(f) for f in folders], str(log_folder), address,
+                 os.environ.get("COMLRL_VERBOSE")))
+
+
+def take_warm(key: str) -> Actors | None:
+    """The parked actors if they match `key` and all still answer; otherwise none (any parked
+    ones are dropped)."""
+    from workers.pool import is_alive
+
+    actors = _WARM.pop("actors", None)
+    if actors is None:
+        return None
+    if actors.key == key and all(is_alive(actor) for actor in actors.all()):
+        return actors
+    release(actors)
+    return None
+
+
+def drop_warm() -> None:
+    """Kill any parked actors (a start that cannot use them needs their resources)."""
+    actors = _WARM.pop("actors", None)
+    if actors is not None:
+        release(actors)
+
+
+def park(actors: Actors) -> None:
+    drop_warm()
+    _WARM["actors"] = actors
+
+
+def release(actors: Actors) -> None:
+    kill_actors(actors.all())
+    remove_placement(actors.placement_group)
+
+
+def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list, plan: dict,
+                 folders: list[str], models: list, for_eval: bool) -> Actors:
+    """New rollout workers (in a RolloutPool) and, unless `for_eval`, learners, each in its
+    own placement-group bundle, logging where `logs` (workers.console.ActorLogs) says."""
+    import ray
+
+    from workers.launch import pack_model_folder, place, start_actor
+    from workers.learner import Learner
+    from workers.pool import RolloutPool
+    from workers.rollout import RolloutWorker
+    from workers.transport import with_learner_endpoint
+
+    args = trainer.args
+    per_agent, n = args.rollout_workers_per_agent, trainer.num_agents
+    placed, group = place(needs, plan["strategy"], args.placement_timeout_s)
+    sources = [ray.put(pack_model_folder(f)) for f in folders]
+    specs = {(a, i): (RolloutWorker, logs.place(placed[a * per_agent + i], "rollout", a, i),
+                      a, sources[a], settings["engine"], settings["sampling"][a],
+                      settings["engine_kwargs"])
+             for a in range(n) for i in range(per_agent)}
+    actors = Actors(key, RolloutPool(specs, n, per_agent), placement_group=group, models=models)
+    if not for_eval:
+        # Kept to restart learners that die, with the same arguments and bundles (`heal`).
+        actors.learner_specs = [
+            ((with_learner_endpoint(Learner), logs.place(placed[n * per_agent + a], "learner", a),
+              a, sources[a]), settings["learner"][a]) for a in range(n)]
+        actors.learners = [start_actor(*spec, **kw) for spec, kw in actors.learner_specs]
+    return actors
+
+
+def reinit_learners(learners: list, learner_specs: list, folders: list[str]) -> list:
+    """Warm learners start over from the models in `folders` (`Learner.reinit`); returns
+    their specs with those models, for a later restart."""
+    import ray
+
+    from workers.launch import pack_model_folder, ray_get
+
+    sources = [ray.put(pack_model_folder(f)) for f in folders]
+    specs = [((*spec[:3], sources[a]), kw) for a, (spec, kw) in enumerate(learner_specs)]
+    ray_get([learner.reinit.remote(a, sources[a], **kw)
+             for a, (learner, (_, kw)) in enumerate(zip(learners, specs))],
+            "re-initialising learners")
+    return specs
+
+
+def connect_transport(args: Any, plan: dict, learners: list, workers: list):
+    """The weight transport `plan` chose, connected to every learner and its workers.
+
+    With weight_transport='auto', a GPU transport that cannot be set up falls back to the
+    object store with a warning; an explicit choice fails instead."""
+    import warnings
+
+    from workers.transport import ObjectStoreTransport, make_transport
+
+    gpus = plan["learner"].num_gpus > 0 and plan["rollout"].num_gpus > 0
+    transport = make_transport(plan["transport"], backend="nccl" if gpus else "gloo",
+                               bucket_bytes=args.weight_bucket_bytes)
+    try:
+        for a, learner in enumerate(learners):
+            transport.connect(a, learner, workers[a])
+    except Exception as exc:
+        if args.weight_transport != "auto":
+            raise
+        warnings.warn(f"weight_transport='auto' chose {transport.name!r}, which could not "
+                      f"be set up ({exc}); pushing weights through the Ray object store.")
+        transport = ObjectStoreTransport()
+    return transport
