@@ -17,6 +17,9 @@ parser.add_argument("--name", default="seed")
 parser.add_argument("--pause-before-publish", type=float, default=0.0,
                     help="seconds the checkpointer holds each staged checkpoint before "
                          "publishing it (tests kill the run meanwhile)")
+parser.add_argument("--again", default=None, metavar="CHECKPOINT_DIR",
+                    help="then train a second, fresh trainer of the same settings into this "
+                         "folder, in this same process")
 parser.add_argument("--override", action="append", default=[],
                     help="MAGRPOConfig field=value (python literal)")
 cli = parser.parse_args()
@@ -48,11 +51,17 @@ if resume == "latest":
 if resume:
     wandb_config = {**wandb_config, **read_checkpoint_metadata(resume)["wandb"],
                     "resume": "allow"}
-trainer = MAGRPOTrainer(
-    agents=[AutoModelForCausalLM.from_pretrained(cli.model) for _ in range(2)],
-    tokenizer=AutoTokenizer.from_pretrained(cli.model), reward_func=length_ratio_reward,
-    train_dataset=Dataset.from_dict({"prompt": PROMPTS}), args=MAGRPOConfig(**settings),
-    wandb_config=wandb_config)
+
+
+def build(wandb_config):
+    return MAGRPOTrainer(
+        agents=[AutoModelForCausalLM.from_pretrained(cli.model) for _ in range(2)],
+        tokenizer=AutoTokenizer.from_pretrained(cli.model), reward_func=length_ratio_reward,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), args=MAGRPOConfig(**settings),
+        wandb_config=wandb_config)
+
+
+trainer = build(wandb_config)
 if cli.pause_before_publish:
     import time
 
@@ -60,4 +69,7 @@ if cli.pause_before_publish:
     trainer._checkpoint_before_publish = lambda staging: time.sleep(pause)
 trainer.train(checkpoint_dir=cli.checkpoint_dir, checkpoint_interval=1,
               resume_from_checkpoint=resume)
+if cli.again:
+    trainer = build({"project": "comlrl-tests", "name": f"{cli.name}-again"})
+    trainer.train(checkpoint_dir=cli.again, checkpoint_interval=1)
 print(f"DONE env_step={trainer.env_step} pid={os.getpid()}")

@@ -322,3 +322,24 @@ def test_checkpoint_agent_folder_loads_with_from_pretrained(straight, tiny_model
         assert torch.equal(want, learner.model(torch.tensor(ids)).logits)
     meta = read_checkpoint_metadata(ckpt)
     assert meta["policy_versions"] == [8, 8] and learner.version == 8
+
+
+def test_a_fresh_run_on_warm_actors_computes_what_new_actors_do(straight, tiny_model,
+                                                                  tmp_path):
+    """Two fresh train() calls of one process, checkpointing beside each other: the second
+    takes the actors the first parked (workers/actors.py), its learners start over from the
+    initial model (`Learner.reinit`) and it logs, step for step, exactly what the straight
+    run logged in new actors of its own process; the weights of both checkpoints match too."""
+    d = tmp_path
+    proc = _run(_seed_cmd(tiny_model, d / "runs" / "first", 2) + ["--again",
+                str(d / "runs" / "second")], _env(d / "wandb"))
+    out = proc.stdout + proc.stderr
+    assert out.count("actors started: ") == 1 and \
+        out.count("actors reused from the previous train(): ") == 1, out[-3000:]
+    reference = {step: values for step, values in
+                 _by_step(wandb_history(straight / "wandb")).items() if step <= 32}
+    for name in ("first", "second"):
+        ckpt = d / "runs" / name
+        run_id = read_checkpoint_metadata(ckpt / "checkpoint-2")["wandb"]["id"]
+        assert _by_step(wandb_history(d / "wandb", run_id)) == reference, name
+        _same_weights(straight / "ckpt" / "checkpoint-2", ckpt / "checkpoint-2")
