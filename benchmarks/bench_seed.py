@@ -13,7 +13,12 @@ time, and the ratio comlrl / ours; median and (min-max) spread over --repeats. I
 measures the floor of this machine in the same run: fp32 matmul GFLOP/s on 2 threads, memory
 copy GB/s, and one forward+backward of each model over 16 sequences of 80 tokens.
 
+Then, per size, the whole seed example as the user runs it (`--whole-sizes`): 2 epochs with a
+checkpoint each, then a new trainer resumes from the newest to 4 epochs, in one process timed
+from start to exit, with each train() and the time from each train() to its first step.
+
     python benchmarks/bench_seed.py [--short] [--sizes 0.43M,10M,76.6M] [--repeats 3]
+                                    [--checkpoint] [--whole-sizes 10M]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ USER_SCRIPT = bl.BENCH_DIR / "seed_user_script.py"
 PROMPTS, K = 4, 4
 STEPS_PER_EPOCH = PROMPTS * K          # env_steps per epoch (aligned, one turn)
 DEFAULT_EPOCHS = {"0.43M": 6, "10M": 5, "76.6M": 4}
+WHOLE_EPOCHS = (2, 4)                  # the seed example: 2 epochs, then resume to 4
 UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 
 
@@ -92,7 +98,9 @@ def ensure_comlrl_venv() -> dict:
 
 
 def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bool,
-             timeout: float, comlrl_threads: int | None = None) -> dict:
+             timeout: float, comlrl_threads: int | None = None, whole: bool = False) -> dict:
+    """One run of seed_user_script.py; `whole`: the seed example as written (2 epochs with a
+    checkpoint each, then a new trainer resumes to 4), timed as one process."""
     python = bl.ROOT / ".venv" / "bin" / "python" if side == "ours" else \
         COMLRL_VENV / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix=f"bench-seed-{side}-") as tmp:
@@ -104,8 +112,11 @@ def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bo
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(comlrl_threads)
         cmd = [str(python), str(USER_SCRIPT), "--model", str(model), "--epochs", str(epochs),
                "--out", str(tmp / "times.json")]
-        if checkpoint:
+        if checkpoint or whole:
             cmd += ["--checkpoint-dir", str(tmp / "checkpoints")]
+        if whole:
+            cmd[cmd.index("--epochs") + 1] = str(WHOLE_EPOCHS[0])
+            cmd += ["--resume-epochs", str(WHOLE_EPOCHS[1])]
         start = time.time()
         with open(log_path, "w") as log:
             proc = subprocess.run(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -115,7 +126,46 @@ def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bo
             raise RuntimeError(f"{side} run failed (exit {proc.returncode}); see {log_path}")
         times = json.loads((tmp / "times.json").read_text())
         rows = wandb_history(tmp)
-    return analyse(side, times, rows, epochs, wall)
+    return analyse_whole(side, times, rows, wall) if whole else \
+        analyse(side, times, rows, epochs, wall)
+
+
+def analyse_whole(side: str, times: dict, rows: list[dict], wall: float) -> dict:
+    """The whole seed example: the process, each train(), and each train()'s first step."""
+    steps = sorted((r for r in rows if "turn_1/reward_mean" in r), key=lambda r: r["_step"])
+    half = WHOLE_EPOCHS[0] * STEPS_PER_EPOCH
+    if [r["_step"] for r in steps][-1:] != [WHOLE_EPOCHS[1] * STEPS_PER_EPOCH]:
+        raise RuntimeError(f"{side}: the resumed half did not reach the last step")
+    second = next(r for r in steps if r["_step"] > half)
+    return {"side": side, "process_wall_s": wall,
+            "first_train_s": times["trained"] - times["constructed"],
+            "first_step_s": steps[0]["_timestamp"] - times["constructed"],
+            "second_train_s": times["resumed"] - times["resume_start"],
+            "second_first_step_s": second["_timestamp"] - times["resume_start"],
+            "between_s": times["resume_start"] - times["trained"]}
+
+
+def print_whole(whole: dict) -> dict:
+    """The whole-seed-example table; returns the medians and the ratios comlrl / ours."""
+    keys = ("process_wall_s", "first_train_s", "first_step_s", "second_train_s",
+            "second_first_step_s")
+    rows, summary = [], {}
+    for size, by_side in whole.items():
+        summary[size] = {side: {k: bl.median([r[k] for r in rs]) for k in keys}
+                         for side, rs in by_side.items() if rs}
+        for side, med in summary[size].items():
+            rows.append([size, side] + [med[k] for k in keys] + [len(by_side[side])])
+        if {"ours", "comlrl"} <= set(summary[size]):
+            o, c = summary[size]["ours"], summary[size]["comlrl"]
+            summary[size]["ratio_comlrl_over_ours"] = {k: c[k] / o[k] for k in keys}
+            rows.append([size, "ratio comlrl/ours"] + [c[k] / o[k] for k in keys] + [""])
+    if rows:
+        print(f"\n## The whole seed example as written, one process ({WHOLE_EPOCHS[0]} epochs, "
+              f"then a new trainer resumes to {WHOLE_EPOCHS[1]})\n")
+        print(bl.table(["model", "side", "process s", "1st train() s", "1st train() to "
+                        "1st step s", "2nd train() s", "2nd train() to 1st step s", "runs"],
+                       rows))
+    return summary
 
 
 def analyse(side: str, times: dict, rows: list[dict], epochs: int, wall: float) -> dict:
@@ -302,6 +352,9 @@ def main() -> None:
     p.add_argument("--checkpoint", action="store_true",
                    help="checkpoint every epoch like the seed example (keep the newest)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor measurements")
+    p.add_argument("--whole-sizes", default=None,
+                   help="sizes whose whole seed example (both halves, one process) is timed "
+                        "too (default: every size; 'none' for none)")
     p.add_argument("--comlrl-threads", type=int, default=None,
                    help="OMP_NUM_THREADS for comlrl's process (default: torch's, = cores). 1 "
                         "keeps it usable on a busy machine, where 2 OpenMP threads stall")
@@ -312,6 +365,7 @@ def main() -> None:
         d = json.loads(Path(a.from_json).read_text())
         st = d["settings"]
         print_tables(d["runs"], st["sizes"], st["sides"], st["params"], st["epochs"])
+        print_whole(d.get("whole", {}))
         return
     sizes = bl.parse_sizes(a.sizes, a.short)
     repeats = 1 if a.short else a.repeats
@@ -365,7 +419,28 @@ def main() -> None:
                       f" train() {bl.fmt(res['train_total_s'])} s; other processes "
                       f"{100 * res['foreign_cpu']['foreign_share']:.0f}%", flush=True)
 
+    whole_sizes = sizes if a.whole_sizes is None else \
+        [x for x in a.whole_sizes.split(",") if x in sizes]
+    whole: dict[str, dict[str, list[dict]]] = {s: {side: [] for side in sides}
+                                               for s in whole_sizes}
+    for size in whole_sizes:
+        for r in range(repeats):
+            for side in (sides if r % 2 == 0 else list(reversed(sides))):
+                try:
+                    res = run_side(side, models[size], 0, logs / f"whole-{size}-{side}-{r}.log",
+                                   True, 900 + 600 * WHOLE_EPOCHS[1], a.comlrl_threads,
+                                   whole=True)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"  whole {size} {side} run {r + 1} FAILED: {exc}", flush=True)
+                    failures.append(f"whole {size} {side} run {r + 1}: {exc}")
+                    continue
+                whole[size][side].append(res)
+                print(f"  whole seed example {size} {side} run {r + 1}/{repeats}: process "
+                      f"{bl.fmt(res['process_wall_s'])} s, second train() first step "
+                      f"{bl.fmt(res['second_first_step_s'])} s", flush=True)
+
     summary = print_tables(runs, sizes, sides, counts, epochs_of)
+    summary["whole_seed_example"] = print_whole(whole)
     if floor:
         print(f"\n## Floor: matmul {floor['matmul_gflops']:.1f} GFLOP/s on "
               f"{floor['threads']} threads, memory copy {floor['copy_gbs']:.1f} GB/s\n")
@@ -376,7 +451,7 @@ def main() -> None:
                          f["epoch_floor_s"]] for s, f in floor["models"].items()]))
     path = bl.write_results(name, {
         "settings": settings, "comlrl_venv": versions, "floor": floor, "summary": summary,
-        "runs": runs, "failures": failures, "loadavg_at_start": load_start})
+        "runs": runs, "whole": whole, "failures": failures, "loadavg_at_start": load_start})
     (bl.RESULTS_DIR / f"{name}_partial.json").unlink(missing_ok=True)
     print(f"\nwrote {path}")
     if failures:

@@ -7,6 +7,7 @@ file examples/rewards.py, leaving `comlrl` to the virtualenv) and writes its tim
 (time.time()) to --out.
 
     python seed_user_script.py --model DIR --epochs N --out times.json [--checkpoint-dir D]
+                               [--resume-epochs M]
 """
 
 import time
@@ -25,6 +26,10 @@ parser.add_argument("--epochs", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--checkpoint-dir", default=None,
                     help="checkpoint every epoch (keeping the newest), as the seed example does")
+parser.add_argument("--resume-epochs", type=int, default=None,
+                    help="the whole seed example as written: train --epochs with a checkpoint "
+                         "every epoch (all kept) into --checkpoint-dir, then build a new trainer "
+                         "and resume from the newest checkpoint to this many epochs, same process")
 cli = parser.parse_args()
 os.environ.setdefault("WANDB_MODE", "offline")
 
@@ -53,30 +58,60 @@ rewards = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rewards)
 length_ratio_reward = rewards.length_ratio_reward
 
-config = MAGRPOConfig(
-    num_turns=1,
-    num_train_epochs=cli.epochs,
-    num_generations=4,
-    max_new_tokens=64,
-    logging_steps=1,
-)
+
+
+def build_trainer(num_train_epochs, wandb_config, agents=None):
+    config = MAGRPOConfig(
+        num_turns=1,
+        num_train_epochs=num_train_epochs,
+        num_generations=4,
+        max_new_tokens=64,
+        logging_steps=1,
+    )
+    return MAGRPOTrainer(
+        agents=agents or [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)],
+        tokenizer=tokenizer,
+        reward_func=length_ratio_reward,
+        train_dataset=train_dataset,
+        args=config,
+        wandb_config=wandb_config,
+    )
+
+
+wandb_config = {"project": "comlrl-bench", "name": "bench-seed"}
 agents = [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)]
 T_MODELS = time.time()
-trainer = MAGRPOTrainer(
-    agents=agents,
-    tokenizer=tokenizer,
-    reward_func=length_ratio_reward,
-    train_dataset=train_dataset,
-    args=config,
-    wandb_config={"project": "comlrl-bench", "name": "bench-seed"},
-)
+trainer = build_trainer(cli.epochs, wandb_config, agents)
 T_CONSTRUCTED = time.time()
-if cli.checkpoint_dir:
+if cli.resume_epochs:
+    trainer.train(checkpoint_dir=cli.checkpoint_dir, checkpoint_interval=1)
+elif cli.checkpoint_dir:
     trainer.train(checkpoint_dir=cli.checkpoint_dir, checkpoint_interval=1,
                   checkpoint_total_limit=1)
 else:
     trainer.train()
 T_TRAINED = time.time()
+T_RESUME_BUILD = T_RESUME_START = T_RESUMED = None
+if cli.resume_epochs:
+    # The seed example's second half, as written.
+    from comlrl.utils import read_checkpoint_metadata
+
+    T_RESUME_BUILD = time.time()
+    checkpoint = max(
+        Path(cli.checkpoint_dir).glob("checkpoint-*"),
+        key=lambda path: int(path.name.rsplit("-", 1)[1]),
+    )
+    identity = read_checkpoint_metadata(checkpoint)["wandb"]
+    if identity:
+        wandb_config = {**wandb_config, **identity, "resume": "allow"}
+    trainer = build_trainer(cli.resume_epochs, wandb_config)
+    T_RESUME_START = time.time()
+    trainer.train(
+        resume_from_checkpoint=str(checkpoint),
+        checkpoint_dir=cli.checkpoint_dir,
+        checkpoint_interval=1,
+    )
+    T_RESUMED = time.time()
 try:  # comlrl 1.4.3 leaves its W&B run open after train(); close it like a script's end does
     import wandb
 
@@ -89,4 +124,6 @@ T_FINISHED = time.time()
 with open(cli.out, "w") as f:
     json.dump({"process_start": T_PROCESS, "imported": T_IMPORTED, "models_loaded": T_MODELS,
                "constructed": T_CONSTRUCTED, "trained": T_TRAINED, "finished": T_FINISHED,
+               "resume_build": T_RESUME_BUILD, "resume_start": T_RESUME_START,
+               "resumed": T_RESUMED,
                "model_loaded_from": model_name}, f)

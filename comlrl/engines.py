@@ -1,8 +1,9 @@
 """Generation engines behind one interface: vLLM (the default) and Hugging Face `generate`.
 
 An engine takes requests `{"prompt_ids": [...], "n": K, "seed": s}` and returns, per request,
-K samples `{"token_ids": [...], "logprobs": [...]}` (log-probs of the sampled tokens under the
-raw model distribution). `load_weights(state_dict)` swaps in new weights without a restart.
+K samples `{"token_ids": [...]}`. A request with `"logprobs": True` also gets `"logprobs"`,
+the log-probs of the sampled tokens under the raw model distribution: training never reads
+them, so they are computed only when asked for (a log-softmax over the vocabulary per token). `load_weights(state_dict)` swaps in new weights without a restart.
 Engines live inside rollout-worker actors, never in the driver or learner: an in-process vLLM
 engine reseeds global RNGs and pins torch threads of its host process
 (docs/architecture.md, "Measured facts").
@@ -75,20 +76,23 @@ class HFEngine:
                     ids, attention_mask=torch.ones_like(ids), do_sample=True,
                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                     top_k=s.top_k or 0, num_return_sequences=int(req["n"]),
-                    return_dict_in_generate=True, output_logits=True,
+                    return_dict_in_generate=True, output_logits=bool(req.get("logprobs")),
                     pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
                 )
             new = out.sequences[:, ids.shape[1]:]
-            logp = torch.stack(out.logits, dim=1).float().log_softmax(-1)
-            picked = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            picked = [None] * new.shape[0]
+            if req.get("logprobs"):
+                logp = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+                picked = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1).tolist()
             samples = []
-            for row, lp in zip(new.tolist(), picked.tolist()):
+            for row, lp in zip(new.tolist(), picked):
                 n = len(row)
                 for i, t in enumerate(row):
                     if t in self.eos_ids:
                         n = i + 1
                         break
-                samples.append({"token_ids": row[:n], "logprobs": lp[:n]})
+                samples.append({"token_ids": row[:n]} if lp is None else
+                               {"token_ids": row[:n], "logprobs": lp[:n]})
             results.append(samples)
         return results
 
@@ -152,22 +156,26 @@ class VLLMEngine:
         return SamplingParams(
             n=n, seed=seed, temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k or 0,
-            max_tokens=max_tokens or s.max_new_tokens, logprobs=0,
+            max_tokens=max_tokens or s.max_new_tokens,
             stop_token_ids=list(s.stop_token_ids), **extra,
         )
 
     def generate(self, requests: list[dict]) -> list[list[dict]]:
         self.wake()
         prompts = [{"prompt_token_ids": list(r["prompt_ids"])} for r in requests]
-        params = [self._params(int(r["n"]), int(r["seed"])) for r in requests]
+        params = [self._params(int(r["n"]), int(r["seed"]),
+                               **({"logprobs": 0} if r.get("logprobs") else {}))
+                  for r in requests]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []
         for out in outs:
             samples = []
             for comp in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(comp.token_ids)
-                lps = [step[t].logprob for step, t in zip(comp.logprobs, ids)]
-                samples.append({"token_ids": ids, "logprobs": lps})
+                samples.append({"token_ids": ids})
+                if comp.logprobs is not None:
+                    samples[-1]["logprobs"] = [step[t].logprob
+                                               for step, t in zip(comp.logprobs, ids)]
             results.append(samples)
         return results
 

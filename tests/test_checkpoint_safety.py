@@ -330,7 +330,9 @@ cp.commit(3, {{"epoch": 3, "run_uid": {RUN_A!r}}})
 
 def test_commit_takes_no_driver_state_and_production_reads_no_pause_variable():
     params = list(inspect.signature(Checkpointer.commit).parameters)
-    assert params == ["self", "epoch", "metadata"]
+    # agent_files: what each learner's background write reports (`Learner.saved`), which
+    # Ray hands to the commit once every write is done.
+    assert params == ["self", "epoch", "metadata", "agent_files"]
     for f in (ROOT / "workers" / "checkpointer.py", ROOT / "comlrl" / "checkpoint.py"):
         text = f.read_text()
         assert "COMLRL_CHECKPOINT_PAUSE_S" not in text and "os.environ" not in text

@@ -34,11 +34,17 @@ def test_engine_logprobs_follow_learner_after_update(ray_session, tiny_model, en
     try:
         prompt = [30, 31, 32, 33, 34]
         out = ray.get(worker.generate.remote(
-            [{"prompt_ids": prompt, "n": 3, "seed": 7}]))
+            [{"prompt_ids": prompt, "n": 3, "seed": 7, "logprobs": True}]))
         assert out["version"] == 0
         samples = out["outputs"][0]
         assert len(samples) == 3 and all(len(s["token_ids"]) >= 1 for s in samples)
         comps = [magrpo.trim_at_eos(s["token_ids"], {0}) for s in samples]
+        # Training never reads log-probs, so they are computed only when asked for; asking
+        # does not change what is sampled.
+        plain = ray.get(worker.generate.remote(
+            [{"prompt_ids": prompt, "n": 3, "seed": 7}]))["outputs"][0]
+        assert [s["token_ids"] for s in plain] == [s["token_ids"] for s in samples]
+        assert all("logprobs" not in s for s in plain)
         # Sampling logprobs are the learner's teacher-forced log-probs for the same weights.
         before = sequence_logprobs(learner, tiny_model, prompt, comps)
         for s, lp in zip(samples, before):

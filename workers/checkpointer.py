@@ -50,13 +50,15 @@ class Checkpointer:
         except OSError as exc:
             self.abort(epoch, f"{type(exc).__name__}: {exc}")
 
-    def commit(self, epoch: int, metadata: dict) -> str:
+    def commit(self, epoch: int, metadata: dict, *agent_files: list[str]) -> str:
         """Publish the staged folder as checkpoint-`epoch` with `metadata` (prunes this run's
         older checkpoints past total_limit). A write failure (e.g. a full disk) removes the
         staging folder and raises CheckpointWriteError, naming checkpoint_dir and the bytes
         needed; earlier checkpoints stay intact."""
         staging = staging_path(self.checkpoint_dir, epoch)
         metadata = {**metadata, "run_uid": metadata.get("run_uid") or self.run_uid}
+        if agent_files:   # what each learner's `saved` says it wrote, checked before publishing
+            metadata["agent_files"] = {f"agent_{a}": names for a, names in enumerate(agent_files)}
         try:
             final = commit_checkpoint(staging, metadata, self.total_limit, self.before_publish)
         except (OSError, RuntimeError) as exc:

@@ -321,9 +321,12 @@ def start_actor(cls: type, placement: Placement, *args: Any, log_file: str | Non
     import ray
 
     log_file = log_file or placement.log_file
+    options = placement.options()
+    if getattr(cls, "ray_max_concurrency", 1) > 1:
+        options["max_concurrency"] = cls.ray_max_concurrency
     if log_file:
         cls = logging_to(cls, log_file)
-    return ray.remote(cls).options(**placement.options()).remote(*args, **kwargs)
+    return ray.remote(cls).options(**options).remote(*args, **kwargs)
 
 
 def logging_to(cls: type, log_file: str) -> type:

@@ -17,6 +17,10 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_templ
 
 
 class Learner:
+    ray_max_concurrency = 2
+    """`saved` waits for a background checkpoint write while the next `update` runs; the
+    driver never sends two other calls at once (workers.launch.start_actor reads this)."""
+
     def __init__(self, agent_index: int, model_source: str | dict, *, learning_rate: float,
                  train_batch_size: int, loss_aggregation: str = "sequence",
                  advantage_mode: str = "mean", advantage_normalization: bool = True,
@@ -176,20 +180,53 @@ class Learner:
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, folder: str) -> list[str]:
-        """Write a `from_pretrained` folder (weights, config, tokenizer) plus optimizer and RNG."""
+    def save(self, folder: str) -> None:
+        """Snapshot weights, optimizer state, RNG and version now, and write them into
+        `folder` in a background thread: a `from_pretrained` folder (weights, config,
+        tokenizer) plus optimizer and RNG files. Training goes on while it writes; `saved`
+        waits for the write (the checkpointer's commit does, through Ray)."""
+        import threading
+
         import torch
 
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, safe_serialization=True)
-        for name, data in self.tokenizer_files.items():
-            # Tokenizer files travel with the weights so the folder loads on its own.
-            (out / name).write_bytes(data)
-        torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
-        torch.save({"torch": torch.random.get_rng_state(), "python": random.getstate(),
-                    "version": self.version}, out / RNG_FILE)
-        return sorted(p.name for p in out.iterdir())
+        self.saved()                      # one write at a time
+        shared: dict = {}                 # tied weights stay one tensor (save_pretrained)
+        weights = {k: shared.setdefault((v.data_ptr(), v.shape), v.detach().to("cpu", copy=True))
+                   for k, v in self.model.state_dict().items()}
+        snapshot = (weights, _cpu_copy(self.optimizer.state_dict()),
+                    {"torch": torch.random.get_rng_state(), "python": random.getstate(),
+                     "version": self.version})
+        self.write = {"thread": threading.Thread(target=self._write, daemon=True,
+                                                 args=(Path(folder), *snapshot)),
+                      "names": None, "error": None}
+        self.write["thread"].start()
+
+    def _write(self, out: Path, weights: dict, optimizer: dict, rng: dict) -> None:
+        import torch
+
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out, state_dict=weights, safe_serialization=True)
+            for name, data in self.tokenizer_files.items():
+                # Tokenizer files travel with the weights so the folder loads on its own.
+                (out / name).write_bytes(data)
+            torch.save(optimizer, out / OPTIMIZER_FILE)
+            torch.save(rng, out / RNG_FILE)
+            self.write["names"] = sorted(p.name for p in out.iterdir())
+        except BaseException as exc:  # noqa: BLE001 - raised by `saved`
+            self.write["error"] = exc
+
+    def saved(self) -> list[str] | None:
+        """Wait for the write `save` started; the names of the files it wrote (None if no
+        write was started). Raises what the write raised, e.g. a full disk's OSError."""
+        write = getattr(self, "write", None)
+        if write is None:
+            return None
+        write["thread"].join()
+        self.write = None
+        if write["error"] is not None:
+            raise write["error"]
+        return write["names"]
 
     def load(self, folder: str) -> int:
         """Restore weights, optimizer state, RNG and version from a folder written by `save`."""
@@ -211,3 +248,16 @@ class Learner:
         random.setstate(rng["python"])
         self.version = int(rng["version"])
         return self.version
+
+
+def _cpu_copy(value: Any) -> Any:
+    """`value` (an optimizer state dict) with every tensor copied to the CPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return value

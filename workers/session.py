@@ -48,6 +48,7 @@ class Session:
         self.checkpointer = None
         self.transport = None
         self.wandb = None
+        self.opening_wandb = None           # a Future of the W&B run, while it starts
         self.pending_checkpoint = None
         self.started_ray = False
         self.learner_specs: list = []
@@ -116,6 +117,12 @@ class Session:
             raise ValueError(f"num_train_epochs={args.num_train_epochs} is below the "
                              f"{self.epoch} epochs the checkpoint already completed; "
                              f"num_train_epochs counts the whole run.")
+        # W&B starts (about 2 s) while Ray and the actors do; taken at the end of the start.
+        from concurrent.futures import ThreadPoolExecutor
+
+        opener = ThreadPoolExecutor(1)
+        self.opening_wandb = opener.submit(open_wandb_run, trainer, meta, self.checkpoint_dir)
+        opener.shutdown(wait=False)
 
         weight_bytes = sum(p.numel() * p.element_size() for m in trainer._initial_models()
                            for p in m.state_dict().values())
@@ -173,7 +180,7 @@ class Session:
                  for a, learner in enumerate(self.learners)], "restoring learners")
         if meta is not None or warm is not None:
             self.push_weights()
-        self.wandb = open_wandb_run(trainer, meta, self.checkpoint_dir)
+        self.wandb = self.opening_wandb.result()
         self.wandb_info = console.wandb_info(self.wandb.run)   # its folder, while it is open
 
     def _start_checkpointer(self, fresh: bool) -> None:
@@ -269,8 +276,13 @@ class Session:
                 kill_actors(self.actors)
                 remove_placement(self.placement_group)
 
-        steps = [self.wait_checkpoint,
-                 lambda: self.wandb is not None and self.wandb.finish(exit_code),
+        def finish_wandb() -> None:
+            if self.wandb is None and self.opening_wandb is not None:
+                self.wandb = self.opening_wandb.result()    # a start that failed meanwhile
+            if self.wandb is not None:
+                self.wandb.finish(exit_code)
+
+        steps = [self.wait_checkpoint, finish_wandb,
                  release_actors,
                  lambda: self.tmp is not None and self.tmp.cleanup()]
         first_error = None
@@ -366,23 +378,15 @@ class Session:
     # ---- checkpoints
 
     def save_checkpoint(self) -> None:
-        """Learners write their folders into a staging dir; the checkpointer publishes it."""
-        from workers.launch import ActorFailure, ray_get
+        """Learners snapshot their state and write it into a staging dir in the background;
+        the checkpointer publishes it once every write is done. Training goes on meanwhile."""
+        from workers.launch import ray_get
 
         self.wait_checkpoint()
         self._warn_if_disk_is_short()
         staging = ray_get(self.checkpointer.begin.remote(self.epoch), "checkpointer")
-        try:
-            written = ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
-                               for a, learner in enumerate(self.learners)], "learners saving")
-        except ActorFailure:
-            raise                           # a dead learner: the trainer heals the run
-        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
-            # e.g. a full disk: the checkpointer removes the staging folder and raises an
-            # error naming checkpoint_dir and the bytes needed; earlier checkpoints stay.
-            ray_get(self.checkpointer.abort.remote(self.epoch, f"{type(exc).__name__}: {exc}"),
-                    "checkpointer")
-            raise
+        ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
+                 for a, learner in enumerate(self.learners)], "learners saving")
         metadata = {
             "env_step": self.trainer.env_step, "epoch": self.epoch,
             "update_index": self.learner_updates,
@@ -391,9 +395,10 @@ class Session:
             "policy_versions": list(self.engine_versions),
             "wandb": self.wandb.identity or {}, "run_uid": self.run_uid,
             "fingerprints": self.fingerprints, "created": time.time(),
-            "agent_files": {f"agent_{a}": names for a, names in enumerate(written)},
         }
-        self.pending_checkpoint = self.checkpointer.commit.remote(self.epoch, metadata)
+        # Ray runs the commit once every learner's `saved` (the files it wrote) is ready.
+        self.pending_checkpoint = (self.epoch, self.checkpointer.commit.remote(
+            self.epoch, metadata, *[learner.saved.remote() for learner in self.learners]))
 
     def _warn_if_disk_is_short(self) -> None:
         import warnings
@@ -405,12 +410,24 @@ class Session:
             warnings.warn(text)
 
     def wait_checkpoint(self) -> str | None:
-        from workers.launch import ray_get
+        from comlrl.checkpoint import CheckpointWriteError
+        from workers.launch import ActorFailure, ray_get
 
         if self.pending_checkpoint is None:
             return None
-        ref, self.pending_checkpoint = self.pending_checkpoint, None
-        path = ray_get(ref, "checkpointer writing")
+        (epoch, ref), self.pending_checkpoint = self.pending_checkpoint, None
+        try:
+            path = ray_get(ref, "checkpointer writing")
+        except ActorFailure:
+            raise                           # a dead learner or checkpointer: `heal`
+        except CheckpointWriteError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a learner's write: SafetensorError, OSError
+            # e.g. a full disk: the checkpointer removes the staging folder and raises an
+            # error naming checkpoint_dir and the bytes needed; earlier checkpoints stay.
+            ray_get(self.checkpointer.abort.remote(epoch, f"{type(exc).__name__}: {exc}"),
+                    "checkpointer")
+            raise
         self.written.append(path)
         return path
 
