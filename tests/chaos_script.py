@@ -11,6 +11,8 @@ from 1 (push 1 of a resumed process is the one that gives the engines the restor
     update-begin-<n>               the n-th `Session.update_and_push` starts
     push-begin-<n>, push-end-<n>   around the n-th `Session.push_weights`
 
+CHAOS_HOLD=gen:N holds generation round N for S seconds after its requests went out to the
+engines and before their results are collected (marker gen-held-N first).
 CHAOS_HOLD=update:N holds update N for S seconds (default 3) after the learners were sent
 their batches and before their results are collected (marker update-held-N first).
 CHAOS_HOLD=push:N holds push N for S seconds after agent 0's weights were sent to its engines
@@ -50,11 +52,12 @@ def _hold(kind: str, n: int, marker: str) -> None:
 
 
 def _install() -> None:
-    from workers import launch
+    from workers import launch, pool
     from workers.session import Session
 
     generate, update_and_push = Session.generate, Session.update_and_push
     push_weights, ray_get = Session.push_weights, launch.ray_get
+    pool_ray_get = pool.ray_get
 
     def probed_generate(self, requests_per_agent, record):
         _count["gen"] += 1
@@ -74,6 +77,12 @@ def _install() -> None:
         if what == "learners updating":
             _hold("update", _count["update"], "update-held")
         return ray_get(refs, what)
+
+    def probed_pool_ray_get(refs, what):
+        # RolloutPool collects each worker's part of a round through this name.
+        if what.endswith(" generating"):
+            _hold("gen", _count["gen"], "gen-held")
+        return pool_ray_get(refs, what)
 
     def probed_push_weights(self):
         _count["push"] += 1
@@ -101,6 +110,7 @@ def _install() -> None:
     Session.update_and_push = probed_update_and_push
     Session.push_weights = probed_push_weights
     launch.ray_get = probed_ray_get
+    pool.ray_get = probed_pool_ray_get
 
 
 if PROBE_DIR:

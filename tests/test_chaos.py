@@ -20,9 +20,10 @@ is env_step s, and a life resumed from checkpoint-e trains steps 16e+8, 16e+16, 
  3. start-up of a resume, during the push of the restored weights: CHAOS_HOLD=push:1 holds
     that push between agent 0's and agent 1's engines; killed on its marker, before W&B
     opens (checked: push-end-1 and gen-begin-1 never written).
- 4. mid-generation: 0.5 s after the life's first rollout round began (the round for the
-    first step after the checkpoint: engine warm-up plus generation, seconds long here);
-    checked: that round never returned (no gen-end-1).
+ 4. mid-generation: the life's first rollout round (the one for the first step after the
+    checkpoint) is held by CHAOS_HOLD=gen:1 after its requests went out to the engines and
+    before the driver collected them (a round is a fraction of a second here); killed on its
+    marker; checked: that round never returned (no gen-end-1).
  5. during a weight push after an update: the push after step 32's update is held between
     the two agents (CHAOS_HOLD=push:k); checked: that push never ended.
  6. during a checkpoint write: `--pause-before-publish 4` holds the staged checkpoint-2
@@ -313,10 +314,9 @@ def test_chaos_kills_and_stop_then_resume_match_straight_run(
         assert not chain.marker("push-end-1").exists()
         assert not chain.marker("gen-begin-1").exists()
 
-        # 4. mid-generation: 0.5 s into the life's first rollout round
-        chain.launch("mid-generation (first rollout round after the checkpoint)")
-        chain.wait_for("gen-begin-1", lambda: chain.marker("gen-begin-1").exists())
-        time.sleep(0.5)
+        # 4. mid-generation: the life's first rollout round, held while its requests are out
+        chain.launch("mid-generation (first rollout round after the checkpoint)", hold="gen:1")
+        chain.wait_for("gen-held-1", lambda: chain.marker("gen-held-1").exists())
         assert chain.end(signal.SIGKILL) == -signal.SIGKILL
         assert not chain.marker("gen-end-1").exists(), "the round ended before the kill"
 

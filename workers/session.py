@@ -229,6 +229,7 @@ class Session:
                 f"(max_actor_restarts); {resume}.") from failure
         self.pending_checkpoint = None       # the dead checkpointer's commit is lost
         kill_actors(self.learners + ([self.checkpointer] if self.checkpointer else []))
+        self.checkpointer = None            # a new one is started below
         self.learners = [start_actor(*spec, **kw) for spec, kw in self.learner_specs]
         if self.checkpoint_dir:
             self._start_checkpointer(fresh=False)   # its clean-up may restore a checkpoint
