@@ -72,7 +72,10 @@ class WandbRun:
             if step > self.floor and step not in self.logged_steps:
                 self._send(metrics, step)
                 self.high = max(self.high, int(step))
-        # SIGTERM (ray job stop, kill) finishes the run cleanly, then exits as asked.
+
+    def catch_sigterm(self) -> None:
+        """From now on SIGTERM (ray job stop, kill) finishes the run cleanly, then exits as
+        asked. Call it from the main thread (the run may have been started in another)."""
         try:
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread

@@ -181,6 +181,7 @@ class Session:
         if meta is not None or warm is not None:
             self.push_weights()
         self.wandb = self.opening_wandb.result()
+        self.wandb.catch_sigterm()
         self.wandb_info = console.wandb_info(self.wandb.run)   # its folder, while it is open
 
     def _start_checkpointer(self, fresh: bool) -> None:
