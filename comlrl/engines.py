@@ -3,7 +3,8 @@
 An engine takes requests `{"prompt_ids": [...], "n": K, "seed": s}` and returns, per request,
 K samples `{"token_ids": [...]}`. A request with `"logprobs": True` also gets `"logprobs"`,
 the log-probs of the sampled tokens under the raw model distribution: training never reads
-them, so they are computed only when asked for (a log-softmax over the vocabulary per token). `load_weights(state_dict)` swaps in new weights without a restart.
+them, so they are computed only when asked for (a log-softmax over the vocabulary per token).
+`load_weights(state_dict)` swaps in new weights without a restart.
 Engines live inside rollout-worker actors, never in the driver or learner: an in-process vLLM
 engine reseeds global RNGs and pins torch threads of its host process
 (docs/architecture.md, "Measured facts").

@@ -205,7 +205,8 @@ class Learner:
         import torch
 
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            # Not parents=True: a staging folder removed meanwhile (`abort`) stays removed.
+            out.mkdir(exist_ok=True)
             self.model.save_pretrained(out, state_dict=weights, safe_serialization=True)
             for name, data in self.tokenizer_files.items():
                 # Tokenizer files travel with the weights so the folder loads on its own.

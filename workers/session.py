@@ -81,7 +81,8 @@ class Session:
         import ray
 
         from workers.actors import (
-            actor_settings, drop_warm, reinit_learners, start_actors, take_warm, warm_key,
+            actor_settings, connect_transport, drop_warm, reinit_learners, start_actors,
+            take_warm, warm_key,
         )
         from workers.launch import (
             check_resources, ensure_ray, kill_actors, plan_placement, ray_get,
@@ -169,8 +170,6 @@ class Session:
                             "checkpointer": int(self.checkpointer is not None)}, self.logs,
                            reused=warm is not None)
         if self.transport is None:
-            from workers.actors import connect_transport
-
             self.transport = connect_transport(args, plan, self.learners, self.workers)
         self.pool.attach(self.learners, self.transport)
         if meta is not None:
@@ -399,8 +398,9 @@ class Session:
             "fingerprints": self.fingerprints, "created": time.time(),
         }
         # Ray runs the commit once every learner's `saved` (the files it wrote) is ready.
-        self.pending_checkpoint = (self.epoch, self.checkpointer.commit.remote(
-            self.epoch, metadata, *[learner.saved.remote() for learner in self.learners]))
+        writes = [learner.saved.remote() for learner in self.learners]
+        self.pending_checkpoint = (self.epoch, writes,
+                                   self.checkpointer.commit.remote(self.epoch, metadata, *writes))
 
     def _warn_if_disk_is_short(self) -> None:
         import warnings
@@ -412,21 +412,23 @@ class Session:
             warnings.warn(text)
 
     def wait_checkpoint(self) -> str | None:
+        import ray
+
         from comlrl.checkpoint import CheckpointWriteError
         from workers.launch import ActorFailure, ray_get
 
         if self.pending_checkpoint is None:
             return None
-        (epoch, ref), self.pending_checkpoint = self.pending_checkpoint, None
+        (epoch, writes, ref), self.pending_checkpoint = self.pending_checkpoint, None
         try:
             path = ray_get(ref, "checkpointer writing")
-        except ActorFailure:
-            raise                           # a dead learner or checkpointer: `heal`
-        except CheckpointWriteError:
-            raise
+        except (ActorFailure, CheckpointWriteError):
+            raise                           # a dead actor (`heal`), or already explained
         except Exception as exc:  # noqa: BLE001 - a learner's write: SafetensorError, OSError
-            # e.g. a full disk: the checkpointer removes the staging folder and raises an
-            # error naming checkpoint_dir and the bytes needed; earlier checkpoints stay.
+            # e.g. a full disk: once every learner's write has ended, the checkpointer removes
+            # the staging folder and raises an error naming checkpoint_dir and the bytes
+            # needed; earlier checkpoints stay.
+            ray.wait(writes, num_returns=len(writes))
             ray_get(self.checkpointer.abort.remote(epoch, f"{type(exc).__name__}: {exc}"),
                     "checkpointer")
             raise
