@@ -128,9 +128,15 @@ class VLLMEngine:
                  seed: int = 0, threads: int | None = None, **_: Any):
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
+        import gc
+
         import torch
         from vllm import LLM
 
+        # LLM() runs gc.collect() five times over the ~640k objects the imports made:
+        # 1.1 of its 2.0 CPU-s on this machine (BENCHMARKS.md). Freezing what exists now keeps
+        # them out of every later collection, as vLLM itself does once it has started.
+        gc.freeze()
         if threads:
             torch.set_num_threads(threads)
         kwargs: dict[str, Any] = dict(

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from comlrl.config import MAGRPOConfig
 from comlrl.tiny_model import build_tiny_model
 from workers.actors import actor_settings, model_shape, warm_key
 from workers.launch import plan_placement
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _key(args: MAGRPOConfig, folders: list[str], logs: str = "/runs/logs") -> str:
@@ -44,3 +49,46 @@ def test_only_the_weights_may_differ(tmp_path: Path):
     assert _key(MAGRPOConfig(max_new_tokens=7), [str(a)] * 2) != base
     assert _key(MAGRPOConfig(rollout_workers_per_agent=2), [str(a)] * 2) != base
     assert _key(MAGRPOConfig(), [str(a)] * 2, logs="/elsewhere/logs") != base
+
+
+PROBE = """
+import json, os
+from comlrl.engines import ENGINE_ENV
+from workers.launch import Placement, ensure_ray, kill_actors, start_actor
+
+
+class Probe:
+    def env(self):
+        return {key: os.environ.get(key) for key in ENGINE_ENV}
+
+
+assert ensure_ray(None, 0, 0.5, quiet=True)
+probe = start_actor(Probe, Placement(num_cpus=0.5))
+import ray
+print(json.dumps({"actor": ray.get(probe.env.remote()), "options": Placement().options(),
+                  "driver": {key: os.environ.get(key) for key in ENGINE_ENV}}))
+kill_actors([probe])
+"""
+
+
+@pytest.mark.e2e
+def test_a_local_ray_gives_actors_the_engine_env_and_leaves_the_driver_as_it_was():
+    """On a local Ray the trainer starts, actors get vLLM's variables (ENGINE_ENV) from the
+    environment the Ray processes inherit, not from a runtime env (which costs start-up
+    time). They still win over the user's own values, as a runtime env's did; the driver's
+    own environment is left exactly as it was (no HF_HUB_OFFLINE forced on the user)."""
+    import subprocess
+    import sys
+
+    from comlrl.engines import ENGINE_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE_ENV}
+    env["VLLM_LOGGING_LEVEL"] = "DEBUG"            # the user's own value
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["actor"] == ENGINE_ENV
+    assert "runtime_env" not in seen["options"]
+    assert seen["driver"] == {k: ("DEBUG" if k == "VLLM_LOGGING_LEVEL" else None)
+                              for k in ENGINE_ENV}
