@@ -125,6 +125,8 @@ def install_timers() -> None:
         pass
 
     def on_rollout(trainer, session, epoch, *a, **k):
+        if STATE["epoch"] == -1:              # the first rollout: what start-up cost
+            MARKS["cpu_at_first_rollout"] = cpu_by_process()
         if STATE["epoch"] != epoch:
             STATE["epoch"] = epoch
             EPOCH_START.setdefault(epoch, time.perf_counter())
@@ -156,6 +158,26 @@ def install_timers() -> None:
     Session.__exit__ = exit_
 
 
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds so far of this process ("driver") and each process it started, summed by
+    kind: Ray actors by class ("ray::Learner"), other programs by file name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs = bl.ForeignCPU._read()
+    out: dict[str, float] = {}
+    for pid in bl.ForeignCPU()._mine(procs):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [w.decode(errors="replace") for w in argv if w]
+        name = "driver" if pid == os.getpid() else next(
+            (w.split()[0] for w in words if w.startswith("ray::")),
+            next((Path(w).name for w in words[1:] if w.endswith(".py")),
+                 Path(words[0]).name if words else "?"))
+        out[name] = out.get(name, 0.0) + procs[pid][1] / tick
+    return out
+
+
 def run(size: str, epochs: int, checkpoint: bool) -> dict:
     install_timers()
     from datasets import Dataset
@@ -178,6 +200,7 @@ def run(size: str, epochs: int, checkpoint: bool) -> dict:
         args=config, wandb_config={"project": "comlrl-bench", "name": "profile"})
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         os.environ["WANDB_DIR"] = tmp
+        cpu0 = cpu_by_process()
         t0 = time.perf_counter()
         if checkpoint:
             trainer.train(checkpoint_dir=str(Path(tmp) / "ckpt"), checkpoint_interval=1,
@@ -190,6 +213,8 @@ def run(size: str, epochs: int, checkpoint: bool) -> dict:
     return {"size": size, "epochs": epochs, "checkpoint": checkpoint, "train_s": total,
             "startup_s": starts[0] - t0, "teardown_s": MARKS["teardown_s"],
             "startup": dict(STARTUP), "epoch_wall_s": walls,
+            "startup_cpu_s": {k: v - cpu0.get(k, 0.0)
+                              for k, v in MARKS["cpu_at_first_rollout"].items()},
             "per_epoch": {e: dict(v) for e, v in EPOCHS.items() if e >= 0}}
 
 
@@ -243,6 +268,16 @@ def summarise(res: dict) -> tuple[list[list], list[list]]:
     return rows, start_rows
 
 
+def cpu_rows(res: dict) -> list[list]:
+    """CPU seconds each kind of process spent from train() start to the first rollout."""
+    cpu = sorted(res["startup_cpu_s"].items(), key=lambda kv: -kv[1])
+    rows = [[name, secs] for name, secs in cpu if secs >= 0.05]
+    total = sum(secs for _, secs in cpu)
+    rows.append(["all of them", total])
+    rows.append([f"= wall seconds at {os.cpu_count()} busy cores", total / (os.cpu_count() or 1)])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--short", action="store_true", help="0.43M, 2 epochs")
@@ -261,6 +296,8 @@ def main() -> None:
     print(bl.table(["phase", "s per epoch", "share"], rows))
     print("\n## Start-up and teardown\n")
     print(bl.table(["phase", "s"], start_rows))
+    print("\n## CPU seconds by process, train() start to the first rollout\n")
+    print(bl.table(["process", "CPU s"], cpu_rows(res)))
     name = bl.result_name("profile_epoch", a.short, [size] if not a.short else ["0.43M"],
                           "" if res["checkpoint"] else "nockpt")
     path = bl.write_results(name, {"result": res, "table": rows, "startup_table": start_rows})

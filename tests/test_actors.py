@@ -11,7 +11,7 @@ import pytest
 
 from comlrl.config import MAGRPOConfig
 from comlrl.tiny_model import build_tiny_model
-from workers.actors import actor_settings, model_shape, warm_key
+from workers.actors import Actors, actor_settings, model_shape, use_folders, warm_key
 from workers.launch import plan_placement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +49,23 @@ def test_only_the_weights_may_differ(tmp_path: Path):
     assert _key(MAGRPOConfig(max_new_tokens=7), [str(a)] * 2) != base
     assert _key(MAGRPOConfig(rollout_workers_per_agent=2), [str(a)] * 2) != base
     assert _key(MAGRPOConfig(), [str(a)] * 2, logs="/elsewhere/logs") != base
+
+
+def test_warm_actors_restart_from_the_taking_runs_model_folders():
+    """Warm actors live on a local Ray, where actors load the driver's model folders by path
+    (`model_sources`); the run that parked them deleted its folders, so taking them points
+    every restart spec (rollout workers' and learners') at the taking run's folders and
+    keeps everything else in the specs."""
+    pool = SimpleNamespace(specs={(a, i): ("Worker", f"placement{a}{i}", a, f"/old/agent_{a}",
+                                           "vllm", {"n": a}, {"threads": 1})
+                                  for a in range(2) for i in range(2)})
+    actors = Actors("key", pool, learner_specs=[(("Learner", f"p{a}", a, f"/old/agent_{a}"),
+                                                 {"lr": a}) for a in range(2)])
+    use_folders(actors, ["/new/agent_0", "/new/agent_1"])
+    assert pool.specs == {(a, i): ("Worker", f"placement{a}{i}", a, f"/new/agent_{a}", "vllm",
+                                   {"n": a}, {"threads": 1}) for a in range(2) for i in range(2)}
+    assert actors.learner_specs == [(("Learner", f"p{a}", a, f"/new/agent_{a}"), {"lr": a})
+                                    for a in range(2)]
 
 
 PROBE = """

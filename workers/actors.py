@@ -121,13 +121,37 @@ def release(actors: Actors) -> None:
     remove_placement(actors.placement_group)
 
 
-def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list, plan: dict,
-                 folders: list[str], models: list, for_eval: bool) -> Actors:
-    """New rollout workers (in a RolloutPool) and, unless `for_eval`, learners, each in its
-    own placement-group bundle, logging where `logs` (workers.console.ActorLogs) says."""
+def model_sources(folders: list[str], local: bool) -> list:
+    """What the actors load the models from. On a local Ray this process started, the
+    driver's folders themselves: every actor shares its disk. Elsewhere each folder is packed
+    into the object store (`workers.launch.pack_model_folder`), as actors on other nodes cannot
+    read the driver's disk; at 76.6M that costs ~6 CPU-s of start-up (the driver reads and
+    stores 2 x 306 MB, each actor writes its own copy), BENCHMARKS.md section 0."""
+    if local:
+        return list(folders)
     import ray
 
-    from workers.launch import pack_model_folder, place, start_actor
+    from workers.launch import pack_model_folder
+
+    return [ray.put(pack_model_folder(f)) for f in folders]
+
+
+def use_folders(actors: Actors, folders: list[str]) -> None:
+    """Point taken warm actors' restart specs at this run's model folders: the folders of the
+    run that parked them are gone (warm actors only live on a local Ray, so specs hold
+    paths)."""
+    actors.pool.specs = {(a, i): (*spec[:3], folders[a], *spec[4:])
+                         for (a, i), spec in actors.pool.specs.items()}
+    actors.learner_specs = [((*spec[:3], folders[a]), kw)
+                            for a, (spec, kw) in enumerate(actors.learner_specs)]
+
+
+def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list, plan: dict,
+                 folders: list[str], models: list, for_eval: bool, local: bool) -> Actors:
+    """New rollout workers (in a RolloutPool) and, unless `for_eval`, learners, each in its
+    own placement-group bundle, logging where `logs` (workers.console.ActorLogs) says. `local`:
+    on a local Ray this process started (`model_sources`)."""
+    from workers.launch import place, start_actor
     from workers.learner import Learner
     from workers.pool import RolloutPool
     from workers.rollout import RolloutWorker
@@ -136,7 +160,7 @@ def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list,
     args = trainer.args
     per_agent, n = args.rollout_workers_per_agent, trainer.num_agents
     placed, group = place(needs, plan["strategy"], args.placement_timeout_s)
-    sources = [ray.put(pack_model_folder(f)) for f in folders]
+    sources = model_sources(folders, local)
     specs = {(a, i): (RolloutWorker, logs.place(placed[a * per_agent + i], "rollout", a, i),
                       a, sources[a], settings["engine"], settings["sampling"][a],
                       settings["engine_kwargs"])
@@ -151,19 +175,14 @@ def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list,
     return actors
 
 
-def reinit_learners(learners: list, learner_specs: list, folders: list[str]) -> list:
-    """Warm learners start over from the models in `folders` (`Learner.reinit`); returns
-    their specs with those models, for a later restart."""
-    import ray
+def reinit_learners(learners: list, learner_specs: list) -> None:
+    """Warm learners start over from the models their specs name (`Learner.reinit`; the specs
+    point at this run's folders, `use_folders`)."""
+    from workers.launch import ray_get
 
-    from workers.launch import pack_model_folder, ray_get
-
-    sources = [ray.put(pack_model_folder(f)) for f in folders]
-    specs = [((*spec[:3], sources[a]), kw) for a, (spec, kw) in enumerate(learner_specs)]
-    ray_get([learner.reinit.remote(a, sources[a], **kw)
-             for a, (learner, (_, kw)) in enumerate(zip(learners, specs))],
+    ray_get([learner.reinit.remote(*spec[2:], **kw)
+             for learner, (spec, kw) in zip(learners, learner_specs)],
             "re-initialising learners")
-    return specs
 
 
 def connect_transport(args: Any, plan: dict, learners: list, workers: list):

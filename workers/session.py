@@ -82,7 +82,7 @@ class Session:
 
         from workers.actors import (
             actor_settings, connect_transport, drop_warm, reinit_learners, start_actors,
-            take_warm, warm_key,
+            take_warm, use_folders, warm_key,
         )
         from workers.launch import (
             check_resources, ensure_ray, kill_actors, plan_placement, ray_get,
@@ -146,8 +146,11 @@ class Session:
                                         args.ray_address)
         # Actors a clean train() of this process parked (workers/actors.py), if they fit.
         warm = take_warm(key) if self.started_ray and not self.for_eval else drop_warm()
+        if warm is not None:
+            use_folders(warm, folders)
         actors = warm or start_actors(trainer, self.logs, key, settings, needs, plan, folders,
-                                      self.fingerprints["models"], self.for_eval)
+                                      self.fingerprints["models"], self.for_eval,
+                                      local=self.started_ray)
         self.pool, self.learners = actors.pool, actors.learners
         self.learner_specs, self.placement_group = actors.learner_specs, actors.placement_group
         self.checkpointer, self.transport = actors.checkpointer, actors.transport
@@ -155,7 +158,7 @@ class Session:
         if warm is not None and (meta is None or warm.models != self.fingerprints["models"]):
             # Taken warm: the learners start over from this run's models (a resume then
             # loads its checkpoint over them; the reference model stays this run's).
-            self.learner_specs = reinit_learners(self.learners, self.learner_specs, folders)
+            reinit_learners(self.learners, self.learner_specs)
         if self.checkpoint_dir and not self.for_eval:
             self._start_checkpointer(fresh=meta is None)
         elif self.checkpointer is not None:        # a warm one this run has no use for
