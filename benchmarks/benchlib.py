@@ -213,7 +213,8 @@ class ForeignCPU:
             procs[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]), rest[19])
         return procs
 
-    def _mine(self, procs: dict) -> set:
+    @staticmethod
+    def _mine(procs: dict) -> set:
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in procs.items():
             children.setdefault(ppid, []).append(pid)

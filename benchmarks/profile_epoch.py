@@ -164,7 +164,7 @@ def cpu_by_process() -> dict[str, float]:
     tick = os.sysconf("SC_CLK_TCK")
     procs = bl.ForeignCPU._read()
     out: dict[str, float] = {}
-    for pid in bl.ForeignCPU()._mine(procs):
+    for pid in bl.ForeignCPU._mine(procs):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
