@@ -34,7 +34,7 @@ RESUMABLE_FIELDS = frozenset({
     "learner_resources", "weight_transport", "placement_timeout_s",
     # comlrl's placement fields: where agents and reference copies live, never what they compute.
     "agent_devices", "parallel_training", "reference_devices",
-    "weight_bucket_bytes", "skip_callable_fingerprints", "max_actor_restarts",
+    "weight_bucket_bytes", "skip_callable_fingerprints", "max_actor_restarts", "colocate",
 })
 
 
@@ -52,12 +52,10 @@ class MAGRPOConfig:
     num_agents: int = 2
     """Number of cooperating agents (used with `agent_model`; `agents=[...]` sets it)."""
     parallel_training: str = "none"
-    """comlrl's agent scheduling: 'none' (comlrl: agents take turns on one device) or 'mp'
-    (comlrl: one thread per agent, each on its own `agent_devices` entry). Accepted as comlrl
-    accepts it ('null', '' and None mean 'none'; 'mp' needs explicit `agent_devices`). Here every
-    agent always trains in its own learner actor, in parallel, whatever this says; the field
-    only decides how `agent_devices` is read, as in comlrl: with 'none' the first (or only)
-    entry is every agent's device, with 'mp' entry i is agent i's."""
+    """comlrl's agent scheduling, accepted as comlrl accepts it: 'none' ('null', '', None) or
+    'mp' (needs explicit `agent_devices`). Here every agent always trains in its own learner,
+    in parallel; the field only decides how `agent_devices` is read, as in comlrl: with 'none'
+    the first entry is every agent's device, with 'mp' entry i is agent i's."""
     agent_devices: Optional[DeviceSpec] = None
     """Device of each agent's learner (its trainable weights and optimizer): None or 'auto'
     (`learner_device` decides), 'cpu', 'cuda', 'cuda:N', or a list of those (one entry, or one
@@ -104,12 +102,9 @@ class MAGRPOConfig:
     reference_kl_coef: float = 0.1
     """Weight of the reference KL penalty."""
     reference_devices: Optional[DeviceSpec] = None
-    """Where the frozen reference copies live (comlrl's rules: None, 'auto', a device, or a list
-    of one or num_agents devices; checked only with `reference_kl_enabled`, as in comlrl). Here
-    agent i's reference copy always lives in agent i's learner actor, on its learner device:
-    None and 'auto' mean exactly that, and an explicit device is accepted only when it is agent
-    i's device (`agent_devices`/`learner_device`); any other device is a ValueError, never
-    silently moved."""
+    """Where the frozen reference copies live (comlrl's rules; checked only with
+    `reference_kl_enabled`). Here agent i's copy always lives in agent i's learner, on its
+    device: None/'auto' mean that, an explicit device must be agent i's, never silently moved."""
 
     # ---- this project's fields ----
     seed: int = 42
@@ -171,6 +166,11 @@ class MAGRPOConfig:
     'nccl' (bucketed broadcast from the learner to its engines; gloo when tensors are on CPU),
     'cuda_ipc' (engines on the learner's GPU read its buffers), or 'auto' (cuda_ipc with
     single_gpu, nccl when learners and engines have GPUs, else object_store)."""
+    colocate: bool = False
+    """Host each agent's learner in the same actor as its first rollout engine (workers/
+    colocated.py): one process per agent instead of two, and the push to that engine is an
+    in-process copy. Computes what the split layout computes (a run may resume either way);
+    further workers (`rollout_workers_per_agent` > 1) stay separate actors."""
     single_gpu: bool = False
     """Preset: learner and engines share one GPU (fractional GPUs, sleep mode between rollouts)."""
     enable_sleep_mode: bool = False
@@ -276,9 +276,13 @@ class MAGRPOConfig:
                 self.weight_bucket_bytes < 1 << 20):
             raise ValueError(f"weight_bucket_bytes must be an int of at least 1 MiB (1048576) "
                              f"(got {self.weight_bucket_bytes!r}).")
-        if not isinstance(self.skip_callable_fingerprints, bool):
-            raise ValueError(f"skip_callable_fingerprints must be True or False "
-                             f"(got {self.skip_callable_fingerprints!r}).")
+        for name in ("skip_callable_fingerprints", "colocate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False (got {getattr(self, name)!r}).")
+        if self.colocate and self.weight_transport not in ("auto", "object_store"):
+            raise ValueError(f"colocate=True copies weights to each learner's own engine in its "
+                             f"process (and through the object store to further workers); "
+                             f"leave weight_transport='auto' (got {self.weight_transport!r}).")
         self._check_placement_fields()
         if self.single_gpu:
             # One GPU shared by every actor: workers.launch.plan_placement gives each actor a

@@ -142,15 +142,29 @@ def use_folders(actors: Actors, folders: list[str]) -> None:
     paths)."""
     actors.pool.specs = {(a, i): (*spec[:3], folders[a], *spec[4:])
                          for (a, i), spec in actors.pool.specs.items()}
-    actors.learner_specs = [((*spec[:3], folders[a]), kw)
+    actors.learner_specs = [((*spec[:3], folders[a], *spec[4:]), kw)
                             for a, (spec, kw) in enumerate(actors.learner_specs)]
+
+
+def actor_needs(args: Any, plan: dict, num_agents: int, for_eval: bool) -> list:
+    """(role, Placement) of every actor in placement-group bundle order: each agent's rollout
+    workers, then one learner per agent (none for `for_eval`). With `colocate`, one host per
+    agent (its learner and worker 0, workers/colocated.py), then the agents' other workers."""
+    per_agent = args.rollout_workers_per_agent
+    if args.colocate and not for_eval:
+        return [("host", plan["host"])] * num_agents + \
+            [("rollout", plan["rollout"])] * (num_agents * (per_agent - 1))
+    needs = [("rollout", plan["rollout"])] * (num_agents * per_agent)
+    return needs if for_eval else needs + [("learner", plan["learner"])] * num_agents
 
 
 def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list, plan: dict,
                  folders: list[str], models: list, for_eval: bool, local: bool) -> Actors:
     """New rollout workers (in a RolloutPool) and, unless `for_eval`, learners, each in its
-    own placement-group bundle, logging where `logs` (workers.console.ActorLogs) says. `local`:
-    on a local Ray this process started (`model_sources`)."""
+    own placement-group bundle (`actor_needs` order), logging where `logs`
+    (workers.console.ActorLogs) says. `local`: on a local Ray this process started
+    (`model_sources`). With `colocate` each agent's learner is its worker 0's actor."""
+    from workers.colocated import AgentHost
     from workers.launch import place, start_actor
     from workers.learner import Learner
     from workers.pool import RolloutPool
@@ -161,15 +175,28 @@ def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list,
     per_agent, n = args.rollout_workers_per_agent, trainer.num_agents
     placed, group = place(needs, plan["strategy"], args.placement_timeout_s)
     sources = model_sources(folders, local)
-    specs = {(a, i): (RolloutWorker, logs.place(placed[a * per_agent + i], "rollout", a, i),
-                      a, sources[a], settings["engine"], settings["sampling"][a],
-                      settings["engine_kwargs"])
-             for a in range(n) for i in range(per_agent)}
-    actors = Actors(key, RolloutPool(specs, n, per_agent), placement_group=group, models=models)
-    if not for_eval:
+    hosts = args.colocate and not for_eval
+    bundles = iter(placed)
+    specs = {}
+    if hosts:
+        for a in range(n):
+            specs[a, 0] = (AgentHost, logs.place(next(bundles), "host", a), a, sources[a],
+                           settings["engine"], settings["sampling"][a],
+                           settings["engine_kwargs"], settings["learner"][a])
+    for a in range(n):
+        for i in range(int(hosts), per_agent):
+            specs[a, i] = (RolloutWorker, logs.place(next(bundles), "rollout", a, i), a,
+                           sources[a], settings["engine"], settings["sampling"][a],
+                           settings["engine_kwargs"])
+    pool = RolloutPool(specs, n, per_agent, hosts=hosts)
+    actors = Actors(key, pool, placement_group=group, models=models)
+    if hosts:
+        actors.learner_specs = [(specs[a, 0], {}) for a in range(n)]
+        actors.learners = [pool.workers[a][0] for a in range(n)]
+    elif not for_eval:
         # Kept to restart learners that die, with the same arguments and bundles (`heal`).
         actors.learner_specs = [
-            ((with_learner_endpoint(Learner), logs.place(placed[n * per_agent + a], "learner", a),
+            ((with_learner_endpoint(Learner), logs.place(next(bundles), "learner", a),
               a, sources[a]), settings["learner"][a]) for a in range(n)]
         actors.learners = [start_actor(*spec, **kw) for spec, kw in actors.learner_specs]
     return actors

@@ -199,14 +199,24 @@ def plan_placement(args: Any, num_agents: int) -> dict:
     transport = resolve_transport(args.weight_transport, learner_gpus=learner_gpus,
                                   rollout_gpus=rollout_gpus, single_gpu=args.single_gpu,
                                   tensor_parallel_size=args.tensor_parallel_size)
-    return {
+    plan = {
         "rollout": Placement(args.rollout_num_cpus, rollout_gpus, dict(args.rollout_resources)),
         "learner": Placement(args.learner_num_cpus, learner_gpus, dict(args.learner_resources)),
         "strategy": strategy, "gpu_memory_utilization": memory, "transport": transport,
     }
+    if args.colocate:
+        # A host (workers/colocated.py) reserves what its learner and its engine would.
+        r, l = plan["rollout"], plan["learner"]
+        plan["host"] = Placement(r.num_cpus + l.num_cpus, r.num_gpus + l.num_gpus, {
+            k: r.resources.get(k, 0) + l.resources.get(k, 0) for k in {**r.resources,
+                                                                         **l.resources}})
+        plan["transport"] = "colocated"
+    return plan
 
 
 def _field_for(role: str, resource: str) -> str:
+    if role == "host":              # a colocated host reserves both roles' resources
+        return f"{_field_for('rollout', resource)} + {_field_for('learner', resource)}"
     if resource == "CPU":
         return f"{role}_num_cpus"
     if resource == "GPU":
@@ -303,7 +313,8 @@ def place(needs: list[tuple[str, Placement]], strategy: str, timeout_s: float):
     group = placement_group(real, strategy=strategy)
     if not group.wait(timeout_s):
         remove_placement_group(group)
-        roles = sorted({r for r, _ in needs})
+        roles = sorted({x for r, _ in needs
+                        for x in (("rollout", "learner") if r == "host" else (r,))})
         fields = ", ".join(f"{r}_num_cpus / {r}_num_gpus / {r}_resources" for r in roles)
         raise TimeoutError(
             f"Ray did not reserve resources for {len(real)} actors within {timeout_s:g} s "

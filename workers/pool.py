@@ -21,9 +21,13 @@ MAX_RESTARTS_PER_CALL = 2
 
 
 class RolloutPool:
-    def __init__(self, specs: dict[tuple[int, int], tuple], num_agents: int, per_agent: int):
-        """`specs[agent, index]` = (class, placement, *args): how to start (and restart) it."""
+    def __init__(self, specs: dict[tuple[int, int], tuple], num_agents: int, per_agent: int,
+                 hosts: bool = False):
+        """`specs[agent, index]` = (class, placement, *args): how to start (and restart) it.
+        `hosts`: worker 0 of each agent is its learner's actor (`colocate`); its death is the
+        learner's, so it is not restarted here but raised for `Session.heal`."""
         self.specs = specs
+        self.hosts = hosts
         self.workers: list[list[Any]] = [
             [start_actor(*specs[a, i]) for i in range(per_agent)] for a in range(num_agents)]
         self.learners: list[Any] = []
@@ -62,6 +66,9 @@ class RolloutPool:
 
     def restart(self, agent: int, index: int, cause: BaseException) -> None:
         """Replace worker `index` of `agent` by a new actor holding the current weights."""
+        if self.hosts and index == 0:
+            raise ActorFailure(f"the actor hosting agent {agent}'s learner and rollout worker 0 "
+                               f"died: {first_line(cause)}") from cause
         old = self.workers[agent][index]
         kill_actors([old])
         new = start_actor(*self.specs[agent, index])

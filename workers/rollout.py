@@ -29,7 +29,7 @@ class RolloutWorker(WorkerEndpoint):
             # Our copy of the driver's folder: the engine has loaded all of it.
             shutil.rmtree(model_path, ignore_errors=True)
         self.engine.on_problem = self.problem
-        self.version = 0
+        self.engine_version = 0
 
     def problem(self, text: str) -> None:
         """Say `text` on the driver's console, once (`workers.console.problem`)."""
@@ -41,7 +41,7 @@ class RolloutWorker(WorkerEndpoint):
         """Samples for every request, the weight version that drew them, and timing."""
         start = time.perf_counter()
         outputs = self.engine.generate(requests) if requests else []
-        return {"outputs": outputs, "version": self.version,
+        return {"outputs": outputs, "version": self.engine_version,
                 "seconds": time.perf_counter() - start,
                 "tokens": sum(len(s["token_ids"]) for out in outputs for s in out)}
 
@@ -54,11 +54,11 @@ class RolloutWorker(WorkerEndpoint):
         if isinstance(weights.get("weights"), dict):
             weights = unpack_weights(weights)
         self.engine.load_weights(weights)
-        self.version = int(version)
+        self.engine_version = int(version)
         return time.perf_counter() - start
 
     def get_version(self) -> int:
-        return self.version
+        return self.engine_version
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.engine.prompt_logprobs(token_ids)

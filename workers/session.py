@@ -1,11 +1,9 @@
 """Session: everything one `train()` (or `evaluate()`) call runs on Ray, started and stopped.
 
-It starts (or joins) Ray, places the actors (rollout workers in a `RolloutPool`, one learner
-per agent, the checkpointer), connects the weight transport, restores a checkpoint, opens the
-driver's single W&B run, and stops all of it again, whatever happened. The trainer's loop
-calls its verbs: `generate`, `update_and_push`, `log_step`, `save_checkpoint`. The map of who
-owns what is docs/architecture.md.
-"""
+It starts (or joins) Ray, places the actors (workers/actors.py), connects the weight transport,
+restores a checkpoint, opens the driver's W&B run, and stops all of it, whatever happened. The
+loop calls its verbs: `generate`, `update_and_push`, `log_step`, `save_checkpoint`. The map of
+who owns what is docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -81,8 +79,8 @@ class Session:
         import ray
 
         from workers.actors import (
-            actor_settings, connect_transport, drop_warm, reinit_learners, start_actors,
-            take_warm, use_folders, warm_key,
+            actor_needs, actor_settings, connect_transport, drop_warm, reinit_learners,
+            start_actors, take_warm, use_folders, warm_key,
         )
         from workers.launch import (
             check_resources, ensure_ray, kill_actors, plan_placement, ray_get,
@@ -131,9 +129,7 @@ class Session:
         # One placement-group bundle per actor (workers.launch.plan_placement says why PACK,
         # or STRICT_PACK for single_gpu); impossible requests fail here, naming the setting.
         plan = plan_placement(args, trainer.num_agents)
-        needs = [("rollout", plan["rollout"])] * n_workers
-        if not self.for_eval:
-            needs += [("learner", plan["learner"])] * trainer.num_agents
+        needs = actor_needs(args, plan, trainer.num_agents, self.for_eval)
         self.started_ray = ensure_ray(args.ray_address, weight_bytes,
                                       sum(p.num_cpus for _, p in needs),
                                       quiet=not self.logs.full)
@@ -169,7 +165,9 @@ class Session:
         if not self.for_eval:
             console.header(Path(self.checkpoint_dir).resolve() if self.checkpoint_dir
                            else None, trainer.model_name,
-                           {"rollout worker": n_workers, "learner": len(self.learners),
+                           {"learner+engine host": self.pool.hosts * trainer.num_agents,
+                            "rollout worker": n_workers - self.pool.hosts * trainer.num_agents,
+                            "learner": len(self.learners) * (not self.pool.hosts),
                             "checkpointer": int(self.checkpointer is not None)}, self.logs,
                            reused=warm is not None)
         if self.transport is None:
@@ -234,6 +232,8 @@ class Session:
         kill_actors(self.learners + ([self.checkpointer] if self.checkpointer else []))
         self.checkpointer = None            # a new one is started below
         self.learners = [start_actor(*spec, **kw) for spec, kw in self.learner_specs]
+        for a, host in enumerate(self.learners if self.pool.hosts else []):
+            self.pool.workers[a][0] = host          # `colocate`: the learner is worker 0
         if self.checkpoint_dir:
             self._start_checkpointer(fresh=False)   # its clean-up may restore a checkpoint
             newest = list_checkpoints(self.checkpoint_dir, self.run_uid)

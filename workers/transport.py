@@ -76,6 +76,10 @@ def make_transport(name: str, *, backend: str = "gloo", bucket_bytes: int = DEFA
                                       timeout_s=timeout_s)
     if name == "cuda_ipc":
         return CudaIpcTransport(bucket_bytes=bucket_bytes)
+    if name == "colocated":                 # `colocate=True` (workers/colocated.py)
+        from workers.colocated import ColocatedTransport
+
+        return ColocatedTransport()
     raise ValueError(f"unknown weight transport {name!r}")
 
 
@@ -269,7 +273,8 @@ class LearnerEndpoint:
 
 
 class WorkerEndpoint:
-    """Receiver half, a base of `RolloutWorker` (which holds `self.engine`, `self.version`)."""
+    """Receiver half, a base of `RolloutWorker` (which holds `self.engine` and
+    `self.engine_version`)."""
 
     _rx_group = None
 
@@ -314,7 +319,7 @@ class WorkerEndpoint:
 
     def _load(self, version: int, weights: dict) -> None:
         self.engine.load_weights(weights)
-        self.version = int(version)
+        self.engine_version = int(version)
 
 
 def _local_index_of(uuid: str | None) -> int:

@@ -1,0 +1,69 @@
+"""AgentHost: one agent's learner and its first rollout engine in one actor (`colocate=True`).
+
+The split layout runs every learner and every engine in its own process; on a small machine
+that is two imports of torch and transformers per agent and a weight push through the object
+store after every update. A host imports them once, and the push to its own engine becomes an
+in-process copy (`load_own_weights`). Further workers of the agent
+(`rollout_workers_per_agent` > 1) stay separate actors and get the weights through the object
+store (`ColocatedTransport`). The driver still sees one learner and one worker 0 per agent:
+both are this actor's handle, so generation, updates, checkpoints and resume are unchanged.
+
+The engine is built first: vLLM reseeds the global RNGs and sets torch's threads while it
+starts. The learner then restores the RNG state the process began with and sets its own thread
+count (`Learner.__init__`), so it computes what a learner in its own process computes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from workers.learner import Learner
+from workers.rollout import RolloutWorker
+from workers.transport import LearnerEndpoint, ObjectStoreTransport
+
+
+class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
+    def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
+                 engine_kwargs: dict[str, Any], learner_kwargs: dict[str, Any]):
+        # The worker would delete a packed copy once its engine loaded it; the learner needs
+        # it too, so it is materialized once here and both read that folder.
+        import torch
+
+        from workers.launch import materialize_model
+
+        # The learner starts from the RNG state of a new process, as a learner in its own
+        # process does, not from the state vLLM's seeding leaves (`Learner.__init__`).
+        self.initial_rng = torch.random.get_rng_state()
+        folder = materialize_model(model_source)
+        RolloutWorker.__init__(self, agent_index, folder, engine, sampling, engine_kwargs)
+        Learner.__init__(self, agent_index, folder, **learner_kwargs)
+        if isinstance(model_source, dict):
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def reinit(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
+               engine_kwargs: dict, learner_kwargs: dict) -> int:
+        """Start the learner over from `model_source` (a warm host taken by a later train());
+        the engine keeps running and gets the new weights by the push that follows."""
+        return Learner.reinit(self, agent_index, model_source, **learner_kwargs)
+
+    def load_own_weights(self, version: int) -> float:
+        """The push to this host's engine: the learner's tensors, copied into the engine in
+        this process (no serialization, no object store). Returns the seconds it took."""
+        start = time.perf_counter()
+        self._load(version, {k: v.detach() for k, v in self.model.state_dict().items()})
+        return time.perf_counter() - start
+
+
+class ColocatedTransport(ObjectStoreTransport):
+    """Worker 0 of each agent is the learner's own host: it copies in-process. Any other
+    worker of the agent gets the weights through the object store."""
+
+    name = "colocated"
+
+    def push(self, agent: int, learner: Any, workers: list, version: int) -> list:
+        own = [learner.load_own_weights.remote(version)] if workers[:1] == [learner] else []
+        others = [w for w in workers if w != learner]
+        return own + (super().push(agent, learner, others, version) if others else [])
