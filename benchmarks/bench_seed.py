@@ -7,6 +7,9 @@ its own subprocess, once with this project's .venv and once with benchmarks/.ven
 from the `_timestamp` of each logged step in the run's W&B file (`wandb leet inspect --json`):
 both libraries log once per rollout buffer, so the last point of epoch k closes epoch k.
 
+Sides: `ours` (this project as configured by default), `colocated` (the same with
+`colocate=True`: each agent's learner in its engine's actor) and `comlrl`.
+
 Per side: start-up (constructing the trainer to the end of epoch 1, minus one steady epoch),
 time to the first logged step, seconds per epoch in steady state (epochs 2..N), total train()
 time, and the ratio comlrl / ours; median and (min-max) spread over --repeats. It also
@@ -18,6 +21,7 @@ checkpoint each, then a new trainer resumes from the newest to 4 epochs, in one 
 from start to exit, with each train() and the time from each train() to its first step.
 
     python benchmarks/bench_seed.py [--short] [--sizes 0.43M,10M,76.6M] [--repeats 3]
+                                    [--sides ours,colocated,comlrl]
                                     [--checkpoint] [--whole-sizes 10M]
 """
 
@@ -45,6 +49,7 @@ STEPS_PER_EPOCH = PROMPTS * K          # env_steps per epoch (aligned, one turn)
 DEFAULT_EPOCHS = {"0.43M": 6, "10M": 5, "76.6M": 4}
 WHOLE_EPOCHS = (2, 4)                  # the seed example: 2 epochs, then resume to 4
 UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
+OURS = ("ours", "colocated")           # this project's sides: split (default) and colocate=True
 
 
 # ---------------------------------------------------------------- the comlrl 1.4.3 virtualenv
@@ -101,8 +106,8 @@ def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bo
              timeout: float, comlrl_threads: int | None = None, whole: bool = False) -> dict:
     """One run of seed_user_script.py; `whole`: the seed example as written (2 epochs with a
     checkpoint each, then a new trainer resumes to 4), timed as one process."""
-    python = bl.ROOT / ".venv" / "bin" / "python" if side == "ours" else \
-        COMLRL_VENV / "bin" / "python"
+    python = COMLRL_VENV / "bin" / "python" if side == "comlrl" else \
+        bl.ROOT / ".venv" / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix=f"bench-seed-{side}-") as tmp:
         tmp = Path(tmp)
         env = {**os.environ, **bl.BENCH_ENV, "WANDB_DIR": str(tmp)}
@@ -111,7 +116,7 @@ def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bo
             # comlrl runs in one process; torch takes its thread count from OMP_NUM_THREADS.
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(comlrl_threads)
         cmd = [str(python), str(USER_SCRIPT), "--model", str(model), "--epochs", str(epochs),
-               "--out", str(tmp / "times.json")]
+               "--out", str(tmp / "times.json")] + (["--colocate"] if side == "colocated" else [])
         if checkpoint or whole:
             cmd += ["--checkpoint-dir", str(tmp / "checkpoints")]
         if whole:
@@ -155,10 +160,11 @@ def print_whole(whole: dict) -> dict:
                          for side, rs in by_side.items() if rs}
         for side, med in summary[size].items():
             rows.append([size, side] + [med[k] for k in keys] + [len(by_side[side])])
-        if {"ours", "comlrl"} <= set(summary[size]):
-            o, c = summary[size]["ours"], summary[size]["comlrl"]
-            summary[size]["ratio_comlrl_over_ours"] = {k: c[k] / o[k] for k in keys}
-            rows.append([size, "ratio comlrl/ours"] + [c[k] / o[k] for k in keys] + [""])
+        for ours in OURS:
+            if {ours, "comlrl"} <= set(summary[size]):
+                o, c = summary[size][ours], summary[size]["comlrl"]
+                summary[size][f"ratio_comlrl_over_{ours}"] = {k: c[k] / o[k] for k in keys}
+                rows.append([size, f"ratio comlrl/{ours}"] + [c[k] / o[k] for k in keys] + [""])
     if rows:
         print(f"\n## The whole seed example as written, one process ({WHOLE_EPOCHS[0]} epochs, "
               f"then a new trainer resumes to {WHOLE_EPOCHS[1]})\n")
@@ -308,14 +314,16 @@ def print_tables(runs: dict, sizes: list[str], sides: list[str], counts: dict,
                          med("steady_epoch_s"), rng("steady_epoch_s"), med("best_epoch_s"),
                          med("train_total_s"), f"{epochs_of[size]}x{len(rs)}",
                          f"{100 * busy:.0f}%"])
-        if "ours" in sides and "comlrl" in sides and all(runs[size][s] for s in sides):
-            o, c = summary[size]["ours"], summary[size]["comlrl"]
+        for ours in OURS:
+            if not (runs[size].get(ours) and runs[size].get("comlrl")):
+                continue
+            o, c = summary[size][ours], summary[size]["comlrl"]
             ratio = {k: c[k]["median"] / o[k]["median"]
                      for k in ("steady_epoch_s", "startup_s", "first_step_s", "train_total_s",
                                "best_epoch_s")
                      if k in o and k in c and o[k]["median"] and c[k]["median"] is not None}
-            summary[size]["ratio_comlrl_over_ours"] = ratio
-            rows.append([size, "", "ratio comlrl/ours", ratio.get("startup_s"),
+            summary[size][f"ratio_comlrl_over_{ours}"] = ratio
+            rows.append([size, "", f"ratio comlrl/{ours}", ratio.get("startup_s"),
                          ratio.get("first_step_s"), ratio.get("steady_epoch_s"), "",
                          ratio.get("best_epoch_s"), ratio.get("train_total_s"), "", ""])
 
@@ -324,17 +332,17 @@ def print_tables(runs: dict, sizes: list[str], sides: list[str], counts: dict,
     print("\n## Seed example: this project vs comlrl 1.4.3\n")
     print(bl.table(cols, rows))
     prof_rows = []
-    for size in sizes:
-        o = summary[size].get("ours", {})
+    for size, ours in ((size, ours) for size in sizes for ours in OURS):
+        o = summary[size].get(ours, {})
         if "steady_epoch_s" in o:
             m = lambda k: o.get(k, {}).get("median")
-            prof_rows.append([size, m("steady_epoch_s"), m("generation_per_epoch_s"),
+            prof_rows.append([size, ours, m("steady_epoch_s"), m("generation_per_epoch_s"),
                               m("learning_per_epoch_s"), m("weight_sync_per_epoch_s"),
                               m("other_per_epoch_s"), m("tokens_per_s"),
                               m("ray_engines_startup_s")])
     if prof_rows:
         print("\n## Our steady epoch, by phase (W&B timing/*, medians)\n")
-        print(bl.table(["model", "epoch s", "generation s", "learning s", "weight push s",
+        print(bl.table(["model", "side", "epoch s", "generation s", "learning s", "weight push s",
                         "other s", "gen tok/s", "Ray+engines start s"], prof_rows))
     return summary
 
@@ -348,7 +356,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per side (median, spread)")
     p.add_argument("--epochs", type=int, default=None,
                    help=f"epochs per run (default {DEFAULT_EPOCHS}); epoch 1 is warm-up")
-    p.add_argument("--sides", default="ours,comlrl", help="ours, comlrl or both")
+    p.add_argument("--sides", default="ours,comlrl",
+                   help="any of ours, colocated (ours with colocate=True), comlrl")
     p.add_argument("--checkpoint", action="store_true",
                    help="checkpoint every epoch like the seed example (keep the newest)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor measurements")

@@ -142,12 +142,19 @@ def _journal_step(ckpt: Path) -> int:
         return -1
 
 
-def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model, tmp_path):
+@pytest.mark.parametrize("layout", [(), ("colocate=True",)], ids=["split", "colocated"])
+def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model, tmp_path,
+                                                            layout):
+    """kill -9 of the whole run in epoch 3, then a resume from checkpoint-2 in a new process:
+    every env_step logged once into the same W&B run, with exactly the values and final
+    weights of the uninterrupted run (`straight`, the split layout). With `colocate=True`
+    both processes run each agent's learner inside its engine's actor: the same values."""
     ckpt = tmp_path / "ckpt"
     env = _env(tmp_path / "wandb")
     watcher = _Watcher(ckpt)
     watcher.start()
-    proc = subprocess.Popen(_seed_cmd(tiny_model, ckpt, 4), env=env, start_new_session=True,
+    proc = subprocess.Popen(_seed_cmd(tiny_model, ckpt, 4, None, *layout), env=env,
+                            start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
@@ -163,7 +170,7 @@ def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model
         except ProcessLookupError:
             pass
     assert sorted(p.name for p in ckpt.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2"), env)
+    _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2", *layout), env)
     watcher.stop = True
     watcher.join()
     assert not watcher.problems, watcher.problems
@@ -178,6 +185,38 @@ def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model
     for step in want:
         assert got[step] == want[step], step
     _same_weights(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
+
+
+def test_colocated_run_resumes_a_split_checkpoint_and_its_warm_hosts_start_over(
+        straight, tiny_model, tmp_path):
+    """A copy of the split run's checkpoint-2 resumed with colocate=True (the field may change
+    on resume: it moves work, never changes it), then, in the same process, a fresh trainer of
+    the same settings on the hosts the first train() parked. Both log exactly the split run's
+    values at every env_step and end with its weights."""
+    import shutil
+
+    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
+    shutil.copytree(straight / "ckpt" / "checkpoint-2", ckpt / "checkpoint-2")
+    env = _env(tmp_path / "wandb")
+    proc = _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2", "colocate=True") +
+                ["--again", str(again)], env)
+    assert "actors started: 2 learner+engine hosts, 1 checkpointer" in proc.stdout
+    assert "reused from the previous train(): 2 learner+engine hosts" in proc.stdout
+    want = _by_step(wandb_history(straight / "wandb"))
+    resumed_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
+    assert resumed_id == read_checkpoint_metadata(straight / "ckpt" / "checkpoint-4")[
+        "wandb"]["id"]
+    resumed = _by_step(wandb_history(tmp_path / "wandb", resumed_id))
+    assert sorted(resumed) == [40, 48, 56, 64]
+    fresh = _by_step(wandb_history(
+        tmp_path / "wandb", read_checkpoint_metadata(again / "checkpoint-4")["wandb"]["id"]))
+    assert sorted(fresh) == sorted(want)
+    for step in want:
+        assert fresh[step] == want[step], step           # exact equality, no tolerance
+        if step in resumed:
+            assert resumed[step] == want[step], step
+    _same_weights(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
+    _same_weights(straight / "ckpt" / "checkpoint-4", again / "checkpoint-4")
 
 
 def test_kill_while_checkpoint_is_written_keeps_earlier_ones(tiny_model, tmp_path):

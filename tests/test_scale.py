@@ -113,6 +113,34 @@ def test_infeasible_requests_name_the_setting():
     assert "single_gpu" in msg
 
 
+def test_colocate_puts_each_agents_learner_and_first_engine_in_one_bundle():
+    """colocate=True: one host per agent reserving what its learner and its engine would,
+    placed first, then the agents' other workers; evaluate() (no learners) stays split. A
+    GPU weight transport cannot reach an engine in the learner's own process, so only 'auto'
+    and 'object_store' are accepted, and the field is a plain bool."""
+    from workers.actors import actor_needs
+
+    cfg = MAGRPOConfig(colocate=True, rollout_workers_per_agent=2, rollout_num_cpus=0.25,
+                       learner_num_cpus=1, learner_num_gpus=0.5,
+                       rollout_resources={"fast": 1}, learner_resources={"fast": 0.5})
+    plan = plan_placement(cfg, num_agents=3)
+    assert plan["host"].bundle() == {"CPU": 1.25, "GPU": 0.5, "fast": 1.5}
+    assert plan["transport"] == "colocated"
+    needs = actor_needs(cfg, plan, 3, for_eval=False)
+    assert [role for role, _ in needs] == ["host"] * 3 + ["rollout"] * 3
+    assert [role for role, _ in actor_needs(cfg, plan, 3, for_eval=True)] == ["rollout"] * 6
+    split = MAGRPOConfig(rollout_workers_per_agent=2)
+    assert [role for role, _ in actor_needs(split, plan_placement(split, 3), 3, False)] == \
+        ["rollout"] * 6 + ["learner"] * 3
+    msg = find_infeasible([("host", Placement(3))], [{"CPU": 2}])
+    assert "rollout_num_cpus + learner_num_cpus" in msg
+    assert MAGRPOConfig(colocate=True, weight_transport="object_store").colocate
+    with pytest.raises(ValueError, match="weight_transport='auto'"):
+        MAGRPOConfig(colocate=True, weight_transport="nccl")
+    with pytest.raises(ValueError, match="colocate must be True or False"):
+        MAGRPOConfig(colocate="yes")
+
+
 # ---------------------------------------------------------------------- weight buckets
 
 
@@ -386,3 +414,51 @@ def test_dead_learner_and_checkpointer_are_healed_in_the_job(one_worker_run, tin
         assert got[step] == one_worker_run[step], step      # exact, no tolerance
     for n in (1, 2):
         verify_checksums(tmp_path / "ckpt" / f"checkpoint-{n}")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_colocated_hosts_with_a_second_worker_log_the_split_values_through_a_killed_host(
+        one_worker_run, tiny_model, wandb_dir, tmp_path, monkeypatch):
+    """colocate=True with two rollout workers per agent (worker 0 in the learner's host, fed
+    by an in-process copy; worker 1 its own actor, fed through the object store) logs exactly
+    what the split layout with one worker per agent logs, at every env_step, although agent
+    1's host is SIGKILLed while epoch 2's first step generates. A host's death is its
+    learner's: the run restarts every host and the checkpointer, restores them from the
+    newest checkpoint and redoes the lost work (`Session.heal`), in the same job."""
+    import ray
+
+    trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "colocated-heal"},
+                       colocate=True, rollout_workers_per_agent=2, rollout_num_cpus=0.25,
+                       learner_num_cpus=0.25)
+    calls = {"generate": 0}
+    killed, hosts = [], []
+
+    def wrap(session):
+        generate = session.generate
+        assert session.pool.hosts and session.workers[1][0] == session.learners[1]
+        hosts.append(session.learners[1])
+
+        def generate_then_kill(requests, record):
+            calls["generate"] += 1
+            if calls["generate"] == 3:     # epoch 2's first step, while it generates
+                pid = ray.get(session.learners[1].node_info.remote())["pid"]
+                threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
+                killed.append(pid)
+            return generate(requests, record)
+
+        session.generate = generate_then_kill
+
+    _wrap_each_session(monkeypatch, wrap)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(checkpoint_dir=str(tmp_path / "ckpt"))
+    assert len(killed) == 1
+    heals = [str(w.message) for w in caught if "restarted the learners" in str(w.message)]
+    assert len(heals) == 1 and heals[0].startswith("learner of agent 1 died"), heals
+    assert not [w for w in caught if "restarted it with the current weights" in str(w.message)]
+    history = wandb_history(wandb_dir)
+    assert [r["_step"] for r in history if "turn_1/reward_mean" in r] == [8, 16, 24, 32]
+    got = _by_step(history)
+    for step in one_worker_run:
+        assert got[step] == one_worker_run[step], step      # exact, no tolerance
