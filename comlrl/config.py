@@ -17,9 +17,8 @@ PARALLEL_TRAINING_MODES = ("none", "mp")
 DeviceSpec = Union[str, Sequence[str]]
 
 # Device types torch knows besides cpu/cuda: a learner here runs on 'cpu' or 'cuda' only.
-_OTHER_TORCH_DEVICES = ("ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
-                        "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia",
-                        "privateuseone")
+_OTHER_TORCH_DEVICES = ("ipu xpu mkldnn opengl opencl ideep hip ve fpga maia xla lazy vulkan mps "
+                        "meta hpu mtia privateuseone").split()
 ROLLOUT_ENGINES = ("vllm", "hf")
 LOSS_AGGREGATIONS = ("sequence", "token_mean")
 
@@ -57,12 +56,9 @@ class MAGRPOConfig:
     in parallel; the field only decides how `agent_devices` is read, as in comlrl: with 'none'
     the first entry is every agent's device, with 'mp' entry i is agent i's."""
     agent_devices: Optional[DeviceSpec] = None
-    """Device of each agent's learner (its trainable weights and optimizer): None or 'auto'
-    (`learner_device` decides), 'cpu', 'cuda', 'cuda:N', or a list of those (one entry, or one
-    per agent with `parallel_training='mp'`). Here 'cuda:N' means "a GPU": the learner actor
-    gets its GPU from Ray (`learner_num_gpus`), so the index only has to agree with
-    `reference_devices`. Other torch device types (mps, xpu, ...) are refused: the learners
-    run on CPU or CUDA only. Read per agent with `learner_device_for(agent_index)`."""
+    """Device of each agent's learner: None/'auto' (`learner_device` decides), 'cpu', 'cuda',
+    'cuda:N', or a list (one entry, or one per agent with 'mp'). 'cuda:N' means "a GPU" (Ray
+    gives the actor its GPU, `learner_num_gpus`); other torch device types are refused."""
     num_generations: int = 4
     """K: completions sampled per prompt per agent (>= 2, the group baseline needs several)."""
     max_new_tokens: int = 256
@@ -166,11 +162,13 @@ class MAGRPOConfig:
     'nccl' (bucketed broadcast from the learner to its engines; gloo when tensors are on CPU),
     'cuda_ipc' (engines on the learner's GPU read its buffers), or 'auto' (cuda_ipc with
     single_gpu, nccl when learners and engines have GPUs, else object_store)."""
-    colocate: bool = False
+    colocate: Union[bool, str] = "auto"
     """Host each agent's learner in the same actor as its first rollout engine (workers/
     colocated.py): one process per agent instead of two, and the push to that engine is an
     in-process copy. Computes what the split layout computes (a run may resume either way);
-    further workers (`rollout_workers_per_agent` > 1) stay separate actors."""
+    further workers (`rollout_workers_per_agent` > 1) stay separate actors. 'auto': colocated
+    on a local Ray the trainer starts, on CPU (faster there, BENCHMARKS.md); split when
+    joining a cluster or a running Ray, or when learners or engines ask for GPUs."""
     single_gpu: bool = False
     """Preset: learner and engines share one GPU (fractional GPUs, sleep mode between rollouts)."""
     enable_sleep_mode: bool = False
@@ -276,10 +274,12 @@ class MAGRPOConfig:
                 self.weight_bucket_bytes < 1 << 20):
             raise ValueError(f"weight_bucket_bytes must be an int of at least 1 MiB (1048576) "
                              f"(got {self.weight_bucket_bytes!r}).")
-        for name in ("skip_callable_fingerprints", "colocate"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False (got {getattr(self, name)!r}).")
-        if self.colocate and self.weight_transport not in ("auto", "object_store"):
+        if not isinstance(self.skip_callable_fingerprints, bool):
+            raise ValueError(f"skip_callable_fingerprints must be True or False "
+                             f"(got {self.skip_callable_fingerprints!r}).")
+        if not (isinstance(self.colocate, bool) or self.colocate == "auto"):
+            raise ValueError(f"colocate must be True, False or 'auto' (got {self.colocate!r}).")
+        if self.colocate is True and self.weight_transport not in ("auto", "object_store"):
             raise ValueError(f"colocate=True copies weights to each learner's own engine in its "
                              f"process (and through the object store to further workers); "
                              f"leave weight_transport='auto' (got {self.weight_transport!r}).")

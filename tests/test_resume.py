@@ -142,13 +142,14 @@ def _journal_step(ckpt: Path) -> int:
         return -1
 
 
-@pytest.mark.parametrize("layout", [(), ("colocate=True",)], ids=["split", "colocated"])
+@pytest.mark.parametrize("layout", [("colocate=False",), ("colocate=True",)],
+                         ids=["split", "colocated"])
 def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model, tmp_path,
                                                             layout):
-    """kill -9 of the whole run in epoch 3, then a resume from checkpoint-2 in a new process:
-    every env_step logged once into the same W&B run, with exactly the values and final
-    weights of the uninterrupted run (`straight`, the split layout). With `colocate=True`
-    both processes run each agent's learner inside its engine's actor: the same values."""
+    """kill -9 of the whole run in epoch 3, then a resume from checkpoint-2 in a new process,
+    in each layout: every env_step logged once into the same W&B run, with exactly the values
+    and final weights of the uninterrupted run (`straight`, the default layout: colocated on
+    this local CPU run). So the split and colocated layouts also compute the same values."""
     ckpt = tmp_path / "ckpt"
     env = _env(tmp_path / "wandb")
     watcher = _Watcher(ckpt)
@@ -187,21 +188,23 @@ def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model
     _same_weights(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
 
 
-def test_colocated_run_resumes_a_split_checkpoint_and_its_warm_hosts_start_over(
+def test_a_checkpoint_resumes_in_the_split_layout_and_its_warm_actors_start_over(
         straight, tiny_model, tmp_path):
-    """A copy of the split run's checkpoint-2 resumed with colocate=True (the field may change
-    on resume: it moves work, never changes it), then, in the same process, a fresh trainer of
-    the same settings on the hosts the first train() parked. Both log exactly the split run's
-    values at every env_step and end with its weights."""
+    """A copy of the straight run's checkpoint-2 (the default layout, colocated here)
+    resumed with colocate=False (the field may change on resume: it moves work, never
+    changes it), then, in the same process, a fresh trainer of the same settings on the split
+    actors the first train() parked. Both log exactly the straight run's values at every
+    env_step and end with its weights. (The demo and
+    `test_a_fresh_run_on_warm_actors_computes_what_new_actors_do` reuse colocated hosts.)"""
     import shutil
 
     ckpt, again = tmp_path / "ckpt", tmp_path / "again"
     shutil.copytree(straight / "ckpt" / "checkpoint-2", ckpt / "checkpoint-2")
     env = _env(tmp_path / "wandb")
-    proc = _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2", "colocate=True") +
+    proc = _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2", "colocate=False") +
                 ["--again", str(again)], env)
-    assert "actors started: 2 learner+engine hosts, 1 checkpointer" in proc.stdout
-    assert "reused from the previous train(): 2 learner+engine hosts" in proc.stdout
+    assert "actors started: 2 rollout workers, 2 learners, 1 checkpointer" in proc.stdout
+    assert "reused from the previous train(): 2 rollout workers, 2 learners" in proc.stdout
     want = _by_step(wandb_history(straight / "wandb"))
     resumed_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
     assert resumed_id == read_checkpoint_metadata(straight / "ckpt" / "checkpoint-4")[

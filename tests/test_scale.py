@@ -137,7 +137,38 @@ def test_colocate_puts_each_agents_learner_and_first_engine_in_one_bundle():
     assert MAGRPOConfig(colocate=True, weight_transport="object_store").colocate
     with pytest.raises(ValueError, match="weight_transport='auto'"):
         MAGRPOConfig(colocate=True, weight_transport="nccl")
-    with pytest.raises(ValueError, match="colocate must be True or False"):
+
+
+def test_colocate_auto_means_a_local_cpu_run(monkeypatch):
+    """colocate='auto' (the default) colocates on a local Ray the trainer starts with no GPU
+    asked for; a cluster address, a job's driver, a Ray started by someone else, GPUs or a
+    GPU transport keep the split layout; True and False are kept as given."""
+    import ray
+
+    from workers import launch
+    from workers.launch import colocate_here
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    for name in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        monkeypatch.delenv(name, raising=False)
+    assert MAGRPOConfig().colocate == "auto" and colocate_here(MAGRPOConfig())
+    for split in (dict(ray_address="10.0.0.1:6379"), dict(learner_num_gpus=1),
+                  dict(rollout_num_gpus=0.5), dict(single_gpu=True),
+                  dict(weight_transport="nccl")):
+        assert not colocate_here(MAGRPOConfig(**split)), split
+    assert colocate_here(MAGRPOConfig(colocate=True, learner_num_gpus=1))
+    assert not colocate_here(MAGRPOConfig(colocate=False))
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert not colocate_here(MAGRPOConfig())
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)   # a Ray this process started
+    monkeypatch.setattr(launch, "_LOCAL_RAY", {"num_cpus": 2, "object_store": 1})
+    assert colocate_here(MAGRPOConfig())
+    monkeypatch.setattr(launch, "_LOCAL_RAY", {})              # ... or someone else did
+    assert not colocate_here(MAGRPOConfig())
+    assert "host" in plan_placement(MAGRPOConfig(), 2, colocate=True)
+    assert "host" not in plan_placement(MAGRPOConfig(), 2)     # 'auto' needs colocate_here
+    with pytest.raises(ValueError, match="colocate must be True, False or 'auto'"):
         MAGRPOConfig(colocate="yes")
 
 
@@ -251,10 +282,12 @@ def _by_step(history):
 
 @pytest.fixture(scope="module")
 def one_worker_run(ray_session, tiny_model, tmp_path_factory, monkeypatch_module):
-    """The seed config, 2 epochs, one rollout worker per agent (the reference)."""
+    """The seed config, 2 epochs, one rollout worker per agent, split layout (the
+    reference)."""
     d = tmp_path_factory.mktemp("one_worker")
     monkeypatch_module.setenv("WANDB_DIR", str(d))
-    _trainer(tiny_model, {"project": "comlrl-tests", "name": "one-worker"}).train()
+    _trainer(tiny_model, {"project": "comlrl-tests", "name": "one-worker"},
+             colocate=False).train()
     return _by_step(wandb_history(d))
 
 
@@ -295,7 +328,7 @@ def test_two_workers_per_agent_and_killed_workers_log_the_same_values(
     import ray
 
     trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "two-workers-kills"},
-                       rollout_workers_per_agent=2, rollout_num_cpus=0.25)
+                       rollout_workers_per_agent=2, rollout_num_cpus=0.25, colocate=False)
     calls = {"generate": 0, "push": 0}
     killed = []
 
@@ -370,7 +403,8 @@ def test_dead_learner_and_checkpointer_are_healed_in_the_job(one_worker_run, tin
 
     from comlrl.checkpoint import verify_checksums
 
-    trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "heal"})
+    trainer = _trainer(tiny_model, {"project": "comlrl-tests", "name": "heal"},
+                       colocate=False)
     calls = {"update": 0, "save": 0}
     killed = []
 

@@ -151,7 +151,7 @@ def actor_needs(args: Any, plan: dict, num_agents: int, for_eval: bool) -> list:
     workers, then one learner per agent (none for `for_eval`). With `colocate`, one host per
     agent (its learner and worker 0, workers/colocated.py), then the agents' other workers."""
     per_agent = args.rollout_workers_per_agent
-    if args.colocate and not for_eval:
+    if "host" in plan and not for_eval:
         return [("host", plan["host"])] * num_agents + \
             [("rollout", plan["rollout"])] * (num_agents * (per_agent - 1))
     needs = [("rollout", plan["rollout"])] * (num_agents * per_agent)
@@ -175,7 +175,7 @@ def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list,
     per_agent, n = args.rollout_workers_per_agent, trainer.num_agents
     placed, group = place(needs, plan["strategy"], args.placement_timeout_s)
     sources = model_sources(folders, local)
-    hosts = args.colocate and not for_eval
+    hosts = "host" in plan and not for_eval
     bundles = iter(placed)
     specs = {}
     if hosts:

@@ -171,7 +171,23 @@ class Placement:
         return opts
 
 
-def plan_placement(args: Any, num_agents: int) -> dict:
+def colocate_here(args: Any) -> bool:
+    """Whether this run colocates (`MAGRPOConfig.colocate`): 'auto' means yes on a local Ray
+    this process starts (or started) when no actor asks for a GPU and the weight transport
+    is 'auto' or 'object_store'; a cluster, a Ray someone else started, or GPUs keep the
+    split layout (the colocated one was measured on CPU only)."""
+    if args.colocate != "auto":
+        return bool(args.colocate)
+    import ray
+
+    local = bool(_LOCAL_RAY) if ray.is_initialized() else not (
+        args.ray_address or os.environ.get("RAY_ADDRESS")
+        or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+    gpus = args.single_gpu or args.rollout_num_gpus > 0 or args.learner_num_gpus > 0
+    return local and not gpus and args.weight_transport in ("auto", "object_store")
+
+
+def plan_placement(args: Any, num_agents: int, colocate: bool | None = None) -> dict:
     """Resources of every role for config `args` (a MAGRPOConfig) and `num_agents` agents.
 
     Returns {"rollout": Placement, "learner": Placement, "strategy", "gpu_memory_utilization",
@@ -183,7 +199,8 @@ def plan_placement(args: Any, num_agents: int) -> dict:
     PACK: as few nodes as hold them, so learner-to-engine pushes stay on one node's object
     store (or GPU) when they can, but spreading over nodes when they must, and honouring
     `rollout_resources` / `learner_resources` pins. (STRICT_PACK would refuse any run larger
-    than one node; SPREAD would send every push over the network.)
+    than one node; SPREAD would send every push over the network.) `colocate` (default:
+    `args.colocate is True`) adds the "host" placement of `workers/colocated.py`.
     """
     from workers.transport import resolve_transport
 
@@ -204,7 +221,7 @@ def plan_placement(args: Any, num_agents: int) -> dict:
         "learner": Placement(args.learner_num_cpus, learner_gpus, dict(args.learner_resources)),
         "strategy": strategy, "gpu_memory_utilization": memory, "transport": transport,
     }
-    if args.colocate:
+    if (args.colocate is True) if colocate is None else colocate:
         # A host (workers/colocated.py) reserves what its learner and its engine would.
         r, l = plan["rollout"], plan["learner"]
         plan["host"] = Placement(r.num_cpus + l.num_cpus, r.num_gpus + l.num_gpus, {

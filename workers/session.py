@@ -83,7 +83,7 @@ class Session:
             start_actors, take_warm, use_folders, warm_key,
         )
         from workers.launch import (
-            check_resources, ensure_ray, kill_actors, plan_placement, ray_get,
+            check_resources, colocate_here, ensure_ray, kill_actors, plan_placement, ray_get,
         )
 
         trainer, args = self.trainer, self.trainer.args
@@ -128,7 +128,7 @@ class Session:
         n_workers = trainer.num_agents * args.rollout_workers_per_agent
         # One placement-group bundle per actor (workers.launch.plan_placement says why PACK,
         # or STRICT_PACK for single_gpu); impossible requests fail here, naming the setting.
-        plan = plan_placement(args, trainer.num_agents)
+        plan = plan_placement(args, trainer.num_agents, colocate_here(args))
         needs = actor_needs(args, plan, trainer.num_agents, self.for_eval)
         self.started_ray = ensure_ray(args.ray_address, weight_bytes,
                                       sum(p.num_cpus for _, p in needs),
