@@ -7,8 +7,9 @@ its own subprocess, once with this project's .venv and once with benchmarks/.ven
 from the `_timestamp` of each logged step in the run's W&B file (`wandb leet inspect --json`):
 both libraries log once per rollout buffer, so the last point of epoch k closes epoch k.
 
-Sides: `ours` (this project as configured by default), `colocated` (the same with
-`colocate=True`: each agent's learner in its engine's actor) and `comlrl`.
+Sides: `ours` (this project with its defaults: `colocate='auto'`, which on this local CPU
+run hosts each agent's learner in its engine's actor), `split` (`colocate=False`: learners and
+engines in separate actors), `colocated` (`colocate=True`) and `comlrl`.
 
 Per side: start-up (constructing the trainer to the end of epoch 1, minus one steady epoch),
 time to the first logged step, seconds per epoch in steady state (epochs 2..N), total train()
@@ -21,7 +22,7 @@ checkpoint each, then a new trainer resumes from the newest to 4 epochs, in one 
 from start to exit, with each train() and the time from each train() to its first step.
 
     python benchmarks/bench_seed.py [--short] [--sizes 0.43M,10M,76.6M] [--repeats 3]
-                                    [--sides ours,colocated,comlrl]
+                                    [--sides ours,split,comlrl]
                                     [--checkpoint] [--whole-sizes 10M]
 """
 
@@ -49,7 +50,8 @@ STEPS_PER_EPOCH = PROMPTS * K          # env_steps per epoch (aligned, one turn)
 DEFAULT_EPOCHS = {"0.43M": 6, "10M": 5, "76.6M": 4}
 WHOLE_EPOCHS = (2, 4)                  # the seed example: 2 epochs, then resume to 4
 UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
-OURS = ("ours", "colocated")           # this project's sides: split (default) and colocate=True
+OURS = ("ours", "split", "colocated")  # this project's sides: its defaults, and each layout
+LAYOUT_FLAGS = {"split": ["--colocate", "False"], "colocated": ["--colocate", "True"]}
 
 
 # ---------------------------------------------------------------- the comlrl 1.4.3 virtualenv
@@ -116,7 +118,7 @@ def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bo
             # comlrl runs in one process; torch takes its thread count from OMP_NUM_THREADS.
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(comlrl_threads)
         cmd = [str(python), str(USER_SCRIPT), "--model", str(model), "--epochs", str(epochs),
-               "--out", str(tmp / "times.json")] + (["--colocate"] if side == "colocated" else [])
+               "--out", str(tmp / "times.json")] + LAYOUT_FLAGS.get(side, [])
         if checkpoint or whole:
             cmd += ["--checkpoint-dir", str(tmp / "checkpoints")]
         if whole:
@@ -357,7 +359,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=None,
                    help=f"epochs per run (default {DEFAULT_EPOCHS}); epoch 1 is warm-up")
     p.add_argument("--sides", default="ours,comlrl",
-                   help="any of ours, colocated (ours with colocate=True), comlrl")
+                   help="any of ours, split, colocated (ours with colocate=False/True), "
+                        "comlrl")
     p.add_argument("--checkpoint", action="store_true",
                    help="checkpoint every epoch like the seed example (keep the newest)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor measurements")

@@ -26,8 +26,8 @@ parser.add_argument("--epochs", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--checkpoint-dir", default=None,
                     help="checkpoint every epoch (keeping the newest), as the seed example does")
-parser.add_argument("--colocate", action="store_true",
-                    help="this project only: MAGRPOConfig(colocate=True)")
+parser.add_argument("--colocate", choices=("True", "False"), default=None,
+                    help="this project only: MAGRPOConfig(colocate=...) (default: its 'auto')")
 parser.add_argument("--resume-epochs", type=int, default=None,
                     help="the whole seed example as written: train --epochs with a checkpoint "
                          "every epoch (all kept) into --checkpoint-dir, then build a new trainer "
@@ -69,7 +69,7 @@ def build_trainer(num_train_epochs, wandb_config, agents=None):
         num_generations=4,
         max_new_tokens=64,
         logging_steps=1,
-        **({"colocate": True} if cli.colocate else {}),
+        **({"colocate": cli.colocate == "True"} if cli.colocate else {}),
     )
     return MAGRPOTrainer(
         agents=agents or [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)],
