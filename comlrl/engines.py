@@ -5,9 +5,9 @@ K samples `{"token_ids": [...]}`. A request with `"logprobs": True` also gets `"
 the log-probs of the sampled tokens under the raw model distribution: training never reads
 them, so they are computed only when asked for (a log-softmax over the vocabulary per token).
 `load_weights(state_dict)` swaps in new weights without a restart.
-Engines live inside rollout-worker actors, never in the driver or learner: an in-process vLLM
-engine reseeds global RNGs and pins torch threads of its host process
-(docs/architecture.md, "Measured facts").
+Engines live inside rollout-worker actors or agent hosts (workers/colocated.py), never in the
+driver: an in-process vLLM engine reseeds global RNGs and fixes the torch thread count of its
+host process (docs/architecture.md, "Measured facts").
 """
 
 from __future__ import annotations

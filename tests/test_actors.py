@@ -1,4 +1,5 @@
-"""Which parked actors a later train() may take (workers/actors.py `warm_key`): pure, no Ray."""
+"""Actors: which parked actors a later train() may take (workers/actors.py `warm_key`, pure),
+how a local Ray gives them their environment, and an agent host (workers/colocated.py)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,44 @@ def test_a_local_ray_gives_actors_the_engine_env_and_leaves_the_driver_as_it_was
     assert "runtime_env" not in seen["options"]
     assert seen["driver"] == {k: ("DEBUG" if k == "VLLM_LOGGING_LEVEL" else None)
                               for k in ENGINE_ENV}
+
+
+@pytest.mark.e2e
+def test_a_host_runs_at_its_learners_threads_and_copies_its_weights_in_process(ray_session,
+                                                                               tiny_model):
+    """An agent host (workers/colocated.py) asked for 1 engine thread and 2 learner threads
+    runs at 2: vLLM makes `torch.set_num_threads` a no-op once its engine has started, so the
+    host starts the engine with the learner's count. After an update, `load_own_weights` puts
+    the learner's weights into the host's own engine: the engine scores a completion as the
+    learner's weights do, and its outputs carry the new version."""
+    import ray
+
+    from tests.learner_probe import sequence_logprobs
+    from workers.colocated import AgentHost
+    from workers.launch import Placement, kill_actors, start_actor
+
+    sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None,
+                    stop_token_ids=(0,))
+    host = start_actor(AgentHost, Placement(0.5), 0, tiny_model, "vllm", sampling,
+                       dict(kv_cache_memory_bytes=64 << 20, threads=1),
+                       dict(learning_rate=1e-2, train_batch_size=2, threads=2))
+    try:
+        threads = ray.get(host.__ray_call__.remote(
+            lambda self: __import__("torch").get_num_threads()))
+        assert threads == 2
+        prompt = [30, 31, 32, 33]
+        out = ray.get(host.generate.remote([{"prompt_ids": prompt, "n": 2, "seed": 3}]))
+        assert out["version"] == 0
+        comps = [s["token_ids"] for s in out["outputs"][0]]
+        before = ray.get(host.prompt_logprobs.remote(prompt + comps[0]))[len(prompt):]
+        groups = [{"prompt_ids": prompt, "completions": comps, "returns": [1.0, -1.0]}]
+        assert ray.get(host.update.remote(groups, 1))["version"] == 1
+        assert ray.get(host.load_own_weights.remote(1)) >= 0
+        want = sequence_logprobs(host, tiny_model, prompt, [comps[0]])[0]
+        got = ray.get(host.prompt_logprobs.remote(prompt + comps[0]))[len(prompt):]
+        assert got == pytest.approx(want, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(got, before)) > 1e-3
+        out = ray.get(host.generate.remote([{"prompt_ids": prompt, "n": 2, "seed": 3}]))
+        assert out["version"] == 1 and ray.get(host.get_version.remote()) == 1
+    finally:
+        kill_actors([host])

@@ -8,9 +8,10 @@ in-process copy (`load_own_weights`). Further workers of the agent
 store (`ColocatedTransport`). The driver still sees one learner and one worker 0 per agent:
 both are this actor's handle, so generation, updates, checkpoints and resume are unchanged.
 
-The engine is built first: vLLM reseeds the global RNGs and sets torch's threads while it
-starts. The learner then restores the RNG state the process began with and sets its own thread
-count (`Learner.__init__`), so it computes what a learner in its own process computes.
+The engine is built first: vLLM reseeds the global RNGs and fixes torch's thread count while it
+starts. The learner then restores the RNG state the process began with (`Learner.__init__`),
+and the engine was started with the learner's thread count, so the learner computes what a
+learner in its own process computes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         # process does, not from the state vLLM's seeding leaves (`Learner.__init__`).
         self.initial_rng = torch.random.get_rng_state()
         folder = materialize_model(model_source)
-        RolloutWorker.__init__(self, agent_index, folder, engine, sampling, engine_kwargs)
+        # vLLM fixes torch's thread count once its engine starts (`torch.set_num_threads`
+        # becomes a no-op), so the engine starts with the learner's count: the two take turns
+        # in this process, and learning is the larger share of an epoch.
+        threads = learner_kwargs.get("threads") or engine_kwargs.get("threads")
+        RolloutWorker.__init__(self, agent_index, folder, engine, sampling,
+                               {**engine_kwargs, "threads": threads})
+        self.threads = torch.get_num_threads()
         Learner.__init__(self, agent_index, folder, **learner_kwargs)
         if isinstance(model_source, dict):
             import shutil
@@ -53,8 +60,31 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         """The push to this host's engine: the learner's tensors, copied into the engine in
         this process (no serialization, no object store). Returns the seconds it took."""
         start = time.perf_counter()
+        self._in_this_thread()
         self._load(version, {k: v.detach() for k, v in self.model.state_dict().items()})
         return time.perf_counter() - start
+
+    # A host is a threaded actor (`Learner.ray_max_concurrency`): Ray runs each call in a pool
+    # thread, whose OpenMP thread count starts from OMP_NUM_THREADS, and vLLM's CPU attention
+    # refuses a count other than the engine's. So every engine call sets it in its own thread
+    # (torch._C's setter: vLLM has turned `torch.set_num_threads` into a no-op).
+
+    def _in_this_thread(self) -> None:
+        import torch
+
+        torch._C.set_num_threads(self.threads)
+
+    def generate(self, requests: list[dict]) -> dict:
+        self._in_this_thread()
+        return RolloutWorker.generate(self, requests)
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        self._in_this_thread()
+        return RolloutWorker.prompt_logprobs(self, token_ids)
+
+    def update_weights(self, version: int, weights: dict) -> float:
+        self._in_this_thread()
+        return RolloutWorker.update_weights(self, version, weights)
 
 
 class ColocatedTransport(ObjectStoreTransport):
