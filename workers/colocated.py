@@ -27,8 +27,6 @@ from workers.transport import LearnerEndpoint, ObjectStoreTransport
 class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any], learner_kwargs: dict[str, Any]):
-        # The worker would delete a packed copy once its engine loaded it; the learner needs
-        # it too, so it is materialized once here and both read that folder.
         import torch
 
         from workers.launch import materialize_model
@@ -36,6 +34,8 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         # The learner starts from the RNG state of a new process, as a learner in its own
         # process does, not from the state vLLM's seeding leaves (`Learner.__init__`).
         self.initial_rng = torch.random.get_rng_state()
+        # The worker would delete a packed copy once its engine loaded it; the learner needs
+        # it too, so it is materialized once here and both read that folder.
         folder = materialize_model(model_source)
         # vLLM fixes torch's thread count once its engine starts (`torch.set_num_threads`
         # becomes a no-op), so the engine starts with the learner's count: the two take turns
