@@ -79,7 +79,7 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: floa
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
     address = address or os.environ.get("RAY_ADDRESS")
-    if address or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+    if _joins_cluster(address):
         # Joining a cluster (or running as a `ray job submit` driver): pass no runtime env.
         # The job's own runtime env stays in force (Ray refuses to merge a conflicting one),
         # and every actor gets the engine variables through its own options anyway.
@@ -115,6 +115,13 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: floa
                 os.environ[key] = value
     _LOCAL_RAY.update(num_cpus=num_cpus, object_store=store)
     return True
+
+
+def _joins_cluster(address: str | None) -> bool:
+    """Whether `ensure_ray` joins a cluster instead of starting a local Ray: an address (or
+    RAY_ADDRESS), or this process is a `ray job submit` driver."""
+    return bool(address or os.environ.get("RAY_ADDRESS")
+                or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
 
 
 def ray_get(refs: Any, what: str) -> Any:
@@ -180,9 +187,7 @@ def colocate_here(args: Any) -> bool:
         return bool(args.colocate)
     import ray
 
-    local = bool(_LOCAL_RAY) if ray.is_initialized() else not (
-        args.ray_address or os.environ.get("RAY_ADDRESS")
-        or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+    local = bool(_LOCAL_RAY) if ray.is_initialized() else not _joins_cluster(args.ray_address)
     gpus = args.single_gpu or args.rollout_num_gpus > 0 or args.learner_num_gpus > 0
     return local and not gpus and args.weight_transport in ("auto", "object_store")
 
