@@ -151,6 +151,8 @@ class VLLMEngine:
         elif kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         self.llm = LLM(**kwargs)
+        self.threads = torch.get_num_threads()
+        """The engine's OpenMP thread count, fixed by vLLM while it started."""
         self.sampling = sampling
         self.sleeping = False
         self.on_problem = _warn
@@ -168,7 +170,7 @@ class VLLMEngine:
         )
 
     def generate(self, requests: list[dict]) -> list[list[dict]]:
-        self.wake()
+        self._ready()
         prompts = [{"prompt_token_ids": list(r["prompt_ids"])} for r in requests]
         params = [self._params(int(r["n"]), int(r["seed"]),
                                **({"logprobs": 0} if r.get("logprobs") else {}))
@@ -193,7 +195,7 @@ class VLLMEngine:
         through collective_rpc, which turns tensors into lists). Without the prefix-cache reset,
         a repeated prompt would reuse KV computed with the old weights.
         """
-        self.wake()
+        self._ready()
         weights = list(state_dict.items())
 
         def _reload(worker):
@@ -218,11 +220,21 @@ class VLLMEngine:
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of every token of `token_ids` given the ones before (first token: 0)."""
-        self.wake()
+        self._ready()
         params = self._params(1, 0, max_tokens=1, prompt_logprobs=0)
         out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
         plp = out[0].prompt_logprobs
         return [0.0] + [step[t].logprob for step, t in zip(plp[1:], token_ids[1:])]
+
+    def _ready(self) -> None:
+        """Awake, and OpenMP in the calling thread at the engine's count. vLLM's CPU attention
+        refuses any other count, and a threaded actor (an agent host, workers/colocated.py)
+        runs each call in a pool thread whose count starts from OMP_NUM_THREADS. torch._C's
+        setter: vLLM has turned `torch.set_num_threads` into a no-op."""
+        import torch
+
+        torch._C.set_num_threads(self.threads)
+        self.wake()
 
     def sleep(self) -> None:
         if not self.sleeping and _has_gpu():

@@ -34,9 +34,15 @@ def make_trainer(tiny_model, wandb_config=None, reward=length_ratio_reward, **ov
         args=MAGRPOConfig(**settings), wandb_config=wandb_config)
 
 
-def test_seed_config_logs_comlrl_env_steps(ray_session, tiny_model, wandb_dir, tmp_path):
+def test_seed_config_logs_comlrl_env_steps(ray_session, tiny_model, wandb_dir, tmp_path,
+                                           capsys):
+    """The seed config on a Ray this process did not start (conftest's, as a cluster would
+    be): the default colocate="auto" keeps the split layout there, one process per learner
+    and per engine."""
     trainer = make_trainer(tiny_model, {"project": "comlrl-tests", "name": "seed"})
     trainer.train(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
+    assert "actors started: 2 rollout workers, 2 learners, 1 checkpointer" in \
+        capsys.readouterr().out
     history = wandb_history(wandb_dir)
     # Aligned, single turn: +4 env_steps per prompt, an update every 2 prompts.
     assert [r["_step"] for r in history] == [8, 16, 24, 32]

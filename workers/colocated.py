@@ -43,7 +43,6 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         threads = learner_kwargs.get("threads") or engine_kwargs.get("threads")
         RolloutWorker.__init__(self, agent_index, folder, engine, sampling,
                                {**engine_kwargs, "threads": threads})
-        self.threads = torch.get_num_threads()
         Learner.__init__(self, agent_index, folder, **learner_kwargs)
         if isinstance(model_source, dict):
             import shutil
@@ -60,31 +59,8 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         """The push to this host's engine: the learner's tensors, copied into the engine in
         this process (no serialization, no object store). Returns the seconds it took."""
         start = time.perf_counter()
-        self._in_this_thread()
         self._load(version, {k: v.detach() for k, v in self.model.state_dict().items()})
         return time.perf_counter() - start
-
-    # A host is a threaded actor (`Learner.ray_max_concurrency`): Ray runs each call in a pool
-    # thread, whose OpenMP thread count starts from OMP_NUM_THREADS, and vLLM's CPU attention
-    # refuses a count other than the engine's. So every engine call sets it in its own thread
-    # (torch._C's setter: vLLM has turned `torch.set_num_threads` into a no-op).
-
-    def _in_this_thread(self) -> None:
-        import torch
-
-        torch._C.set_num_threads(self.threads)
-
-    def generate(self, requests: list[dict]) -> dict:
-        self._in_this_thread()
-        return RolloutWorker.generate(self, requests)
-
-    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        self._in_this_thread()
-        return RolloutWorker.prompt_logprobs(self, token_ids)
-
-    def update_weights(self, version: int, weights: dict) -> float:
-        self._in_this_thread()
-        return RolloutWorker.update_weights(self, version, weights)
 
 
 class ColocatedTransport(ObjectStoreTransport):
