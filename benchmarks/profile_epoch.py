@@ -41,6 +41,7 @@ def add(key: str, seconds: float) -> None:
 
 def install_timers() -> None:
     import comlrl.magrpo as magrpo
+    import workers.actors as actors_mod
     import comlrl.trainers.reinforce.magrpo as trainer_mod
     import workers.launch as launch
     import workers.pool as pool
@@ -139,7 +140,7 @@ def install_timers() -> None:
     timed(Session, "save_checkpoint", "checkpoint: save (learners write, commit queued)")
     timed(Session, "wait_checkpoint", "checkpoint: wait for commit")
     timed(launch, "ensure_ray", "ray.init")
-    timed(launch, "pack_model_folder", "pack model folders")
+    timed(actors_mod, "pack_model_folder", "pack model folders")
     timed(trainer_mod.MAGRPOTrainer, "fingerprints", "fingerprints")
     timed(WandbRun, "start", "wandb.init")
     timed(Session, "_start", "_start total")

@@ -12,7 +12,9 @@ import pytest
 
 from comlrl.config import MAGRPOConfig
 from comlrl.tiny_model import build_tiny_model
-from workers.actors import Actors, actor_settings, model_shape, use_folders, warm_key
+from workers.actors import (
+    Actors, actor_settings, model_shape, pack_model_folder, use_folders, warm_key,
+)
 from workers.launch import plan_placement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +69,36 @@ def test_warm_actors_restart_from_the_taking_runs_model_folders():
                                    {"n": a}, {"threads": 1}) for a in range(2) for i in range(2)}
     assert actors.learner_specs == [(("Learner", f"p{a}", a, f"/new/agent_{a}"), {"lr": a})
                                     for a in range(2)]
+
+
+
+def test_a_packed_model_is_written_out_for_loading_and_removed_even_when_loading_fails(
+        tmp_path: Path, monkeypatch, tiny_model):
+    """Actors on a Ray the trainer did not start get each model packed through the object
+    store (`model_sources`) and write it out to load it. The copy is gone once a learner has
+    loaded it, and also when the engine fails to start (an actor restarted in a loop would
+    otherwise fill /tmp with copies); a folder path is used in place and left alone."""
+    import tempfile
+
+    from workers.learner import Learner
+    from workers.rollout import RolloutWorker
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    packed = pack_model_folder(tiny_model)
+    learner = Learner(0, packed, learning_rate=1e-3, train_batch_size=2)
+    assert sum(p.numel() for p in learner.model.parameters()) > 0
+    assert learner.tokenizer_files["tokenizer.json"] == \
+        (Path(tiny_model) / "tokenizer.json").read_bytes()
+    assert list(scratch.iterdir()) == []
+    with pytest.raises(ValueError, match="rollout_engine must be 'vllm' or 'hf'"):
+        RolloutWorker(0, packed, "nope", dict(max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                              top_k=None), {})
+    assert list(scratch.iterdir()) == []
+    before = sorted(p.name for p in Path(tiny_model).iterdir())
+    Learner(0, tiny_model, learning_rate=1e-3, train_batch_size=2)
+    assert sorted(p.name for p in Path(tiny_model).iterdir()) == before
 
 
 PROBE = """

@@ -13,6 +13,7 @@ so starts in about a second instead of importing vLLM and torch in five new proc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -124,16 +125,42 @@ def release(actors: Actors) -> None:
 def model_sources(folders: list[str], local: bool) -> list:
     """What the actors load the models from. On a local Ray this process started, the
     driver's folders themselves: every actor shares its disk. Elsewhere each folder is packed
-    into the object store (`workers.launch.pack_model_folder`), as actors on other nodes cannot
+    into the object store (`pack_model_folder`), as actors on other nodes cannot
     read the driver's disk; at 76.6M that costs ~6 CPU-s of start-up (the driver reads and
     stores 2 x 306 MB, each actor writes its own copy), BENCHMARKS.md section 0."""
     if local:
         return list(folders)
     import ray
 
-    from workers.launch import pack_model_folder
-
     return [ray.put(pack_model_folder(f)) for f in folders]
+
+
+def pack_model_folder(path: str) -> dict:
+    """A saved model folder as {file name: bytes}, to ship through the object store; an actor
+    loads it through `model_folder`."""
+    folder = Path(path)
+    return {"name": folder.name,
+            "files": {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}}
+
+
+@contextlib.contextmanager
+def model_folder(source: str | dict):
+    """A folder to load `source` from while the block runs: a path (or hub name) as is, or a
+    packed folder written out and removed when the block ends, loaded or not, so an actor
+    whose engine or learner fails to start leaves no copy of the model behind."""
+    if isinstance(source, str):
+        yield source
+        return
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"comlrl-{source['name']}-"))
+    try:
+        for name, data in source["files"].items():
+            (folder / name).write_bytes(data)
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def use_folders(actors: Actors, folders: list[str]) -> None:

@@ -29,25 +29,21 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
                  engine_kwargs: dict[str, Any], learner_kwargs: dict[str, Any]):
         import torch
 
-        from workers.launch import materialize_model
+        from workers.actors import model_folder
 
         # The learner starts from the RNG state of a new process, as a learner in its own
         # process does, not from the state vLLM's seeding leaves (`Learner.__init__`).
         self.initial_rng = torch.random.get_rng_state()
-        # The worker would delete a packed copy once its engine loaded it; the learner needs
-        # it too, so it is materialized once here and both read that folder.
-        folder = materialize_model(model_source)
         # vLLM fixes torch's thread count once its engine starts (`torch.set_num_threads`
         # becomes a no-op), so the engine starts with the learner's count: the two take turns
         # in this process, and learning is the larger share of an epoch.
         threads = learner_kwargs.get("threads") or engine_kwargs.get("threads")
-        RolloutWorker.__init__(self, agent_index, folder, engine, sampling,
-                               {**engine_kwargs, "threads": threads})
-        Learner.__init__(self, agent_index, folder, **learner_kwargs)
-        if isinstance(model_source, dict):
-            import shutil
-
-            shutil.rmtree(folder, ignore_errors=True)
+        # One folder for both: a packed model is written out once, and removed after both
+        # have loaded it.
+        with model_folder(model_source) as folder:
+            RolloutWorker.__init__(self, agent_index, folder, engine, sampling,
+                                   {**engine_kwargs, "threads": threads})
+            Learner.__init__(self, agent_index, folder, **learner_kwargs)
 
     def reinit(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                engine_kwargs: dict, learner_kwargs: dict) -> int:

@@ -401,32 +401,6 @@ def kill_actors(actors: list) -> None:
             pass
 
 
-def pack_model_folder(path: str) -> dict:
-    """A saved model folder as {file name: bytes}, to ship through the object store.
-
-    Actors on other nodes cannot read the driver's disk; they rebuild the folder locally with
-    `materialize_model`.
-    """
-    from pathlib import Path
-
-    folder = Path(path)
-    return {"name": folder.name,
-            "files": {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}}
-
-
-def materialize_model(source: str | dict) -> str:
-    """A local folder for `source`: a path (or hub name) as is, or a packed folder written out."""
-    import tempfile
-    from pathlib import Path
-
-    if isinstance(source, str):
-        return source
-    folder = Path(tempfile.mkdtemp(prefix=f"comlrl-{source['name']}-"))
-    for name, data in source["files"].items():
-        (folder / name).write_bytes(data)
-    return str(folder)
-
-
 def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
     """Fail in seconds, not minutes, when nothing listens at a host:port Ray address.
 

@@ -7,7 +7,6 @@ learner per agent, so agents train in parallel on separate cores or GPUs.
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,45 +28,42 @@ class Learner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from workers.launch import materialize_model
+        from workers.actors import model_folder
 
         # A learner started over for a later train() (`reinit`) begins from the global RNG
         # state a new process has here, so its run matches one in a fresh actor.
         if not hasattr(self, "initial_rng"):
             self.initial_rng = torch.random.get_rng_state()
         torch.random.set_rng_state(self.initial_rng)
-        model_path = materialize_model(model_source)
         if threads:
             torch.set_num_threads(threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.agent_index = agent_index
-        self.model_path = model_path
         self.device = device
         self.train_batch_size = train_batch_size
         self.loss_aggregation = loss_aggregation
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.to(device).train()
         self.advantage_mode = advantage_mode
         self.advantage_normalization = advantage_normalization
         # Reference KL: a frozen copy of the initial weights (comlrl's reference model).
         self.reference_kl_coef = reference_kl_coef
         self.reference = None
-        if reference_kl_coef is not None:
-            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            self.reference.to(device).eval().requires_grad_(False)
+        with model_folder(model_source) as path:      # all of it is loaded in this block
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            self.model.to(device).train()
+            if reference_kl_coef is not None:
+                self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                self.reference.to(device).eval().requires_grad_(False)
+            folder = Path(path)
+            self.tokenizer_files = {  # kept to write beside the weights in every checkpoint
+                f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and
+                f.name.startswith(TOKENIZER_FILES)} if folder.is_dir() else {}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
                                            weight_decay=0.01)
         gen = self.model.generation_config
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.version = 0
-        folder = Path(model_path)
-        self.tokenizer_files = {  # kept to write beside the weights in every checkpoint
-            f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and
-            f.name.startswith(TOKENIZER_FILES)} if folder.is_dir() else {}
-        if isinstance(model_source, dict):
-            shutil.rmtree(model_path, ignore_errors=True)   # our copy; all of it is loaded
 
     def reinit(self, agent_index: int, model_source: str | dict, **settings: Any) -> int:
         """Start over as a new learner built with these arguments would: weights and

@@ -8,7 +8,6 @@ the receive methods of `workers.transport.WorkerEndpoint` (broadcast, CUDA IPC).
 
 from __future__ import annotations
 
-import shutil
 import time
 from typing import Any
 
@@ -19,15 +18,12 @@ class RolloutWorker(WorkerEndpoint):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any]):
         from comlrl.engines import SamplingSettings, make_engine
-        from workers.launch import materialize_model
+        from workers.actors import model_folder
 
         self.agent_index = agent_index
-        model_path = materialize_model(model_source)
-        self.engine = make_engine(engine, model_path, SamplingSettings(**sampling),
-                                  **engine_kwargs)
-        if isinstance(model_source, dict):
-            # Our copy of the driver's folder: the engine has loaded all of it.
-            shutil.rmtree(model_path, ignore_errors=True)
+        with model_folder(model_source) as path:      # the engine loads all of it here
+            self.engine = make_engine(engine, path, SamplingSettings(**sampling),
+                                      **engine_kwargs)
         self.engine.on_problem = self.problem
         self.engine_version = 0
 
