@@ -85,7 +85,7 @@ def model_shape(folder: str) -> str:
 def warm_key(settings: dict, needs: list, plan: dict, folders: list[str], log_folder: Any,
              address: str | None) -> str:
     """Everything that shapes the actors; equal keys mean the parked actors can be taken."""
-    return repr((settings, [(role, p.bundle(), p.env) for role, p in needs],
+    return repr((settings, [(role, p.bundle()) for role, p in needs],
                  plan["strategy"], plan["transport"],
                  [model_shape(f) for f in folders], str(log_folder), address,
                  os.environ.get("COMLRL_VERBOSE")))

@@ -148,7 +148,6 @@ class Placement:
     num_cpus: float = 0.0
     num_gpus: float = 0.0
     resources: dict = field(default_factory=dict)
-    env: dict = field(default_factory=dict)
     group: Any = None
     bundle_index: int | None = None
     log_file: str | None = None
@@ -166,8 +165,8 @@ class Placement:
 
     def options(self) -> dict:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.env or not _LOCAL_RAY:   # a local Ray we started has them (`ensure_ray`)
-            opts["runtime_env"] = {"env_vars": {**ENGINE_ENV, **self.env}}
+        if not _LOCAL_RAY:   # a local Ray we started has them (`ensure_ray`)
+            opts["runtime_env"] = {"env_vars": dict(ENGINE_ENV)}
         if self.resources:
             opts["resources"] = dict(self.resources)
         if self.group is not None and self.bundle_index is not None:
