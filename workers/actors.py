@@ -122,6 +122,21 @@ def release(actors: Actors) -> None:
     remove_placement(actors.placement_group)
 
 
+def save_models(trainer: Any, folder: str, show_progress: bool) -> tuple[list[str], dict]:
+    """The trainer's initial models and tokenizers saved into `folder`, one folder per agent
+    for the actors to load; returns those and the run's fingerprints, which hash the saved
+    weights (`MAGRPOTrainer.fingerprints`)."""
+    from workers.console import quiet_progress_bars
+
+    folders = []
+    with quiet_progress_bars(show_progress):
+        for i, (model, tok) in enumerate(zip(trainer._initial_models(), trainer.tokenizers)):
+            folders.append(str(Path(folder) / f"agent_{i}"))
+            model.save_pretrained(folders[-1], safe_serialization=True)
+            tok.save_pretrained(folders[-1])
+    return folders, trainer.fingerprints(folders)
+
+
 def model_sources(folders: list[str], local: bool) -> list:
     """What the actors load the models from. On a local Ray this process started, the
     driver's folders themselves: every actor shares its disk. Elsewhere each folder is packed

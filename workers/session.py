@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class Session:
         self.run_uid: str | None = None
         self.fingerprints: dict = {}
         self.tmp: tempfile.TemporaryDirectory | None = None
+        self.saving = None              # the models being saved into self.tmp (a Future)
         self.placement_group = None
         self.pool = None
         self.learners: list = []
@@ -80,7 +82,7 @@ class Session:
 
         from workers.actors import (
             actor_needs, actor_settings, connect_transport, drop_warm, reinit_learners,
-            start_actors, take_warm, use_folders, warm_key,
+            save_models, start_actors, take_warm, use_folders, warm_key,
         )
         from workers.launch import (
             check_resources, colocate_here, ensure_ray, kill_actors, plan_placement, ray_get,
@@ -89,19 +91,15 @@ class Session:
         trainer, args = self.trainer, self.trainer.args
         # Actor output goes to a log file per actor unless full output is asked for.
         self.logs = console.ActorLogs.for_run(args.verbose, self.checkpoint_dir)
-        # Actors load the models from folders: the driver's models, saved once here.
+        # Actors load the models from folders: the driver's models, saved once here (and
+        # hashed) while Ray starts, which mostly waits on its processes: ~1 s at 76.6M. A
+        # resume waits for them: it must refuse a changed model before it starts anything.
+        helper = ThreadPoolExecutor(2)
         self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-split-")
-        folders = []
-        with console.quiet_progress_bars(self.logs.full):
-            for i, (model, tok) in enumerate(zip(trainer._initial_models(),
-                                                 trainer.tokenizers)):
-                folder = Path(self.tmp.name) / f"agent_{i}"
-                model.save_pretrained(folder, safe_serialization=True)
-                tok.save_pretrained(folder)
-                folders.append(str(folder))
-        self.fingerprints = trainer.fingerprints(folders)
+        self.saving = helper.submit(save_models, trainer, self.tmp.name, self.logs.full)
         meta = self.resume_meta
         if meta is not None:
+            folders, self.fingerprints = self.saving.result()
             compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
                                  skip_callables=args.skip_callable_fingerprints)
             trainer.env_step = int(meta["env_step"])
@@ -117,11 +115,8 @@ class Session:
                              f"{self.epoch} epochs the checkpoint already completed; "
                              f"num_train_epochs counts the whole run.")
         # W&B starts (about 2 s) while Ray and the actors do; taken at the end of the start.
-        from concurrent.futures import ThreadPoolExecutor
-
-        opener = ThreadPoolExecutor(1)
-        self.opening_wandb = opener.submit(open_wandb_run, trainer, meta, self.checkpoint_dir)
-        opener.shutdown(wait=False)
+        self.opening_wandb = helper.submit(open_wandb_run, trainer, meta, self.checkpoint_dir)
+        helper.shutdown(wait=False)
 
         weight_bytes = sum(p.numel() * p.element_size() for m in trainer._initial_models()
                            for p in m.state_dict().values())
@@ -133,6 +128,7 @@ class Session:
         self.started_ray = ensure_ray(args.ray_address, weight_bytes,
                                       sum(p.num_cpus for _, p in needs),
                                       quiet=not self.logs.full)
+        folders, self.fingerprints = self.saving.result()
         check_resources(needs, plan["strategy"])
         # Threads follow the real cores of a Ray we started (its CPU count may be larger).
         cores = max(1, (os.cpu_count() or 1) if self.started_ray
@@ -286,9 +282,9 @@ class Session:
             if self.wandb is not None:
                 self.wandb.finish(exit_code)
 
-        steps = [self.wait_checkpoint, finish_wandb,
-                 release_actors,
-                 lambda: self.tmp is not None and self.tmp.cleanup()]
+        # The models' folder goes last, once nothing writes into it (`save_models`).
+        steps = [self.wait_checkpoint, finish_wandb, release_actors,
+                 lambda: self.tmp is not None and (wait([self.saving]), self.tmp.cleanup())]
         first_error = None
         for step in steps:
             try:
