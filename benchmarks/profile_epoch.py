@@ -41,8 +41,8 @@ def add(key: str, seconds: float) -> None:
 
 def install_timers() -> None:
     import comlrl.magrpo as magrpo
-    import workers.actors as actors_mod
     import comlrl.trainers.reinforce.magrpo as trainer_mod
+    import workers.actors as actors_mod
     import workers.launch as launch
     import workers.pool as pool
     from comlrl.wandb_run import WandbRun

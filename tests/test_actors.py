@@ -71,7 +71,6 @@ def test_warm_actors_restart_from_the_taking_runs_model_folders():
                                     for a in range(2)]
 
 
-
 def test_a_packed_model_is_written_out_for_loading_and_removed_even_when_loading_fails(
         tmp_path: Path, monkeypatch, tiny_model):
     """Actors on a Ray the trainer did not start get each model packed through the object
