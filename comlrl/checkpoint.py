@@ -278,7 +278,7 @@ def begin_staging(checkpoint_dir: str | os.PathLike, epoch: int, run_uid: str) -
     is not ours is refused, never deleted."""
     staging = staging_path(checkpoint_dir, epoch)
     if staging.exists() or staging.is_symlink():
-        if not remove_owned(staging, run_uid):
+        if not (remove_owned(staging, run_uid) or _remove_unmarked_start(staging)):
             raise CheckpointError(
                 f"checkpoint_dir {staging.parent} holds {staging.name}, which is not this run's "
                 f"(no marker of run {run_uid}); move it away or pick another checkpoint_dir.")
@@ -294,6 +294,18 @@ def begin_staging(checkpoint_dir: str | os.PathLike, epoch: int, run_uid: str) -
         staging.rmdir()
         raise
     return staging
+
+
+def _remove_unmarked_start(staging: Path) -> bool:
+    """Remove a staging folder that a `begin_staging` killed between its mkdir and its marker
+    left behind (a checkpointer killed mid-call): empty but for the marker's temporary file,
+    so it holds nothing of anyone's. Anything else in it is kept and refused."""
+    if staging.is_symlink() or not staging.is_dir() or \
+            {p.name for p in staging.iterdir()} - {MARKER + ".tmp"}:
+        return False
+    (staging / (MARKER + ".tmp")).unlink(missing_ok=True)
+    staging.rmdir()
+    return True
 
 
 def commit_checkpoint(staging: Path, metadata: dict, total_limit: int | None = None,

@@ -210,6 +210,21 @@ def test_begin_refuses_a_staging_name_held_by_something_not_ours(tmp_path):
     assert (d / ".staging-checkpoint-1" / "keep.txt").read_text() == "user"
 
 
+def test_begin_takes_over_the_empty_staging_folder_a_killed_begin_left(tmp_path):
+    """A checkpointer killed inside `begin`, after its mkdir and before its marker, leaves
+    an unmarked staging folder holding nothing (or only the marker's temporary file); the
+    restarted checkpointer's `begin` takes it over instead of refusing it (seen in
+    test_scale's learner-and-checkpointer heal, where `ray.kill` landed inside `begin`)."""
+    d = tmp_path / "ckpt"
+    (d / ".staging-checkpoint-1").mkdir(parents=True)
+    (d / ".staging-checkpoint-2").mkdir()
+    (d / ".staging-checkpoint-2" / (ck.MARKER + ".tmp")).write_text("{")
+    cp = Checkpointer(str(d), None, RUN_A)
+    for epoch in (1, 2):
+        staging = Path(cp.begin(epoch))
+        assert sorted(p.name for p in staging.iterdir()) == [ck.MARKER]
+
+
 def test_checkpoints_carry_the_marker_and_keep_the_metadata_fields(tmp_path):
     d = tmp_path / "ckpt"
     final = _write(Checkpointer(str(d), None, RUN_A), 1)
