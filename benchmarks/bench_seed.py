@@ -19,7 +19,8 @@ copy GB/s, and one forward+backward of each model over 16 sequences of 80 tokens
 
 Then, per size, the whole seed example as the user runs it (`--whole-sizes`): 2 epochs with a
 checkpoint each, then a new trainer resumes from the newest to 4 epochs, in one process timed
-from start to exit, with each train() and the time from each train() to its first step.
+from start to exit, with each train(), the time from each train() to its first step, and the
+exit (from the script's last line to the end of the process).
 
     python benchmarks/bench_seed.py [--short] [--sizes 0.43M,10M,76.6M] [--repeats 3]
                                     [--sides ours,split,comlrl]
@@ -133,12 +134,15 @@ def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bo
             raise RuntimeError(f"{side} run failed (exit {proc.returncode}); see {log_path}")
         times = json.loads((tmp / "times.json").read_text())
         rows = wandb_history(tmp)
-    return analyse_whole(side, times, rows, wall) if whole else \
-        analyse(side, times, rows, epochs, wall)
+    if whole:
+        return analyse_whole(side, times, rows, wall, exited=start + wall)
+    return analyse(side, times, rows, epochs, wall)
 
 
-def analyse_whole(side: str, times: dict, rows: list[dict], wall: float) -> dict:
-    """The whole seed example: the process, each train(), and each train()'s first step."""
+def analyse_whole(side: str, times: dict, rows: list[dict], wall: float,
+                  exited: float) -> dict:
+    """The whole seed example: the process, each train(), each train()'s first step, and the
+    exit (from the script's last line to the process's end, `exited`)."""
     steps = sorted((r for r in rows if "turn_1/reward_mean" in r), key=lambda r: r["_step"])
     half = WHOLE_EPOCHS[0] * STEPS_PER_EPOCH
     if [r["_step"] for r in steps][-1:] != [WHOLE_EPOCHS[1] * STEPS_PER_EPOCH]:
@@ -149,16 +153,18 @@ def analyse_whole(side: str, times: dict, rows: list[dict], wall: float) -> dict
             "first_step_s": steps[0]["_timestamp"] - times["constructed"],
             "second_train_s": times["resumed"] - times["resume_start"],
             "second_first_step_s": second["_timestamp"] - times["resume_start"],
-            "between_s": times["resume_start"] - times["trained"]}
+            "between_s": times["resume_start"] - times["trained"],
+            "exit_s": exited - times["finished"]}
 
 
 def print_whole(whole: dict) -> dict:
     """The whole-seed-example table; returns the medians and the ratios comlrl / ours."""
     keys = ("process_wall_s", "first_train_s", "first_step_s", "second_train_s",
-            "second_first_step_s")
+            "second_first_step_s", "exit_s")
     rows, summary = [], {}
     for size, by_side in whole.items():
-        summary[size] = {side: {k: bl.median([r[k] for r in rs]) for k in keys}
+        # .get: results files written before the exit column have none (nan).
+        summary[size] = {side: {k: bl.median([r.get(k, math.nan) for r in rs]) for k in keys}
                          for side, rs in by_side.items() if rs}
         for side, med in summary[size].items():
             rows.append([size, side] + [med[k] for k in keys] + [len(by_side[side])])
@@ -171,8 +177,8 @@ def print_whole(whole: dict) -> dict:
         print(f"\n## The whole seed example as written, one process ({WHOLE_EPOCHS[0]} epochs, "
               f"then a new trainer resumes to {WHOLE_EPOCHS[1]})\n")
         print(bl.table(["model", "side", "process s", "1st train() s", "1st train() to "
-                        "1st step s", "2nd train() s", "2nd train() to 1st step s", "runs"],
-                       rows))
+                        "1st step s", "2nd train() s", "2nd train() to 1st step s", "exit s",
+                        "runs"], rows))
     return summary
 
 
