@@ -100,6 +100,43 @@ def test_a_packed_model_is_written_out_for_loading_and_removed_even_when_loading
     assert sorted(p.name for p in Path(tiny_model).iterdir()) == before
 
 
+def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows_at_once(
+        tmp_path: Path, tiny_model):
+    """On the CPU a learner's checkpoint write reads the live weights and AdamW state (no
+    copy on the driver's path): the next update must wait for it. The write is held 1 s
+    here, and an update sent meanwhile still leaves the files with the state of the save."""
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    from workers.learner import OPTIMIZER_FILE, Learner
+
+    learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
+    groups = lambda: [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
+                       "returns": [1.0, 0.0], "turn": 0}]
+    learner.update(groups(), shuffle_seed=0)          # AdamW state exists from here on
+    at_save = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    moments = {i: s["exp_avg"].clone() for i, s in learner.optimizer.state_dict()["state"].items()}
+    original = learner.model.save_pretrained
+
+    def held(*args, **kwargs):
+        time.sleep(1.0)
+        return original(*args, **kwargs)
+
+    learner.model.save_pretrained = held
+    learner.save(str(tmp_path / "agent_0"))
+    learner.update(groups(), shuffle_seed=1)          # sent while the write is held
+    assert learner.saved()
+    written = load_file(str(tmp_path / "agent_0" / "model.safetensors"))
+    for name, value in written.items():
+        assert torch.equal(value, at_save[name]), name
+    assert any(not torch.equal(v, at_save[k]) for k, v in learner.model.state_dict().items())
+    optimizer = torch.load(tmp_path / "agent_0" / OPTIMIZER_FILE, weights_only=False)
+    for i, state in optimizer["state"].items():
+        assert torch.equal(state["exp_avg"], moments[i])
+
+
 PROBE = """
 import json, os
 from comlrl.engines import ENGINE_ENV
