@@ -309,8 +309,10 @@ def _remove_unmarked_start(staging: Path) -> bool:
 
 
 def commit_checkpoint(staging: Path, metadata: dict, total_limit: int | None = None,
-                      before_publish: Callable[[Path], Any] | None = None) -> Path:
+                      before_publish: Callable[[Path], Any] | None = None,
+                      digests: dict[str, str] | None = None) -> Path:
     """Checksum, fsync and atomically publish `staging` as checkpoint-N (N from its name).
+    `digests` holds the sha256 of files their writer hashed on the way (by relative path).
 
     metadata.json is the last file written; the folder gets its public name only by one
     rename after everything is on disk, so no reader ever sees half a checkpoint.
@@ -343,7 +345,7 @@ def commit_checkpoint(staging: Path, metadata: dict, total_limit: int | None = N
         rel = f.relative_to(staging).as_posix()
         if rel in (MARKER, METADATA, METADATA + ".tmp"):
             continue
-        files[rel] = file_sha256(f)
+        files[rel] = (digests or {}).get(rel) or file_sha256(f)
         _fsync_file(f)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, **metadata, "files": files}
     tmp = staging / (METADATA + ".tmp")

@@ -104,13 +104,15 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
         tmp_path: Path, tiny_model):
     """On the CPU a learner's checkpoint write reads the live weights and AdamW state (no
     copy on the driver's path): the next update must wait for it. The write is held 1 s
-    here, and an update sent meanwhile still leaves the files with the state of the save."""
+    here, and an update sent meanwhile still leaves the files with the state of the save.
+    The optimizer and RNG files are hashed while written: their digests are the files'."""
     import time
 
     import torch
     from safetensors.torch import load_file
 
-    from workers.learner import OPTIMIZER_FILE, Learner
+    from comlrl.checkpoint import file_sha256
+    from workers.learner import OPTIMIZER_FILE, RNG_FILE, Learner
 
     learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
     groups = lambda: [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
@@ -127,7 +129,13 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
     learner.model.save_pretrained = held
     learner.save(str(tmp_path / "agent_0"))
     learner.update(groups(), shuffle_seed=1)          # sent while the write is held
-    assert learner.saved()
+    files = learner.saved()
+    # The files hashed while written report their sha256 (the commit records it unread).
+    folder = tmp_path / "agent_0"
+    assert sorted(files) == sorted(p.name for p in folder.iterdir())
+    assert {name for name, digest in files.items() if digest} == {OPTIMIZER_FILE, RNG_FILE}
+    for name in (OPTIMIZER_FILE, RNG_FILE):
+        assert files[name] == file_sha256(folder / name), name
     written = load_file(str(tmp_path / "agent_0" / "model.safetensors"))
     for name, value in written.items():
         assert torch.equal(value, at_save[name]), name

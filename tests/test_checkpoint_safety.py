@@ -42,11 +42,13 @@ def _save_agent(folder: Path, n_floats: int, seed: int = 0) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from comlrl.checkpoint_write import torch_save_hashed
+
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     save_file({"w": torch.randn(n_floats, generator=g)}, str(folder / "model.safetensors"))
-    torch.save({"state": {0: {"exp_avg": torch.randn(n_floats // 4, generator=g)}}},
-               folder / "optimizer.pt")
+    torch_save_hashed({"state": {0: {"exp_avg": torch.randn(n_floats // 4, generator=g)}}},
+                      folder / "optimizer.pt")
     (folder / "config.json").write_text(json.dumps({"n": n_floats}))
 
 
@@ -354,6 +356,80 @@ def test_commit_takes_no_driver_state_and_production_reads_no_pause_variable():
     for f in (ROOT / "workers" / "checkpointer.py", ROOT / "comlrl" / "checkpoint.py"):
         text = f.read_text()
         assert "COMLRL_CHECKPOINT_PAUSE_S" not in text and "os.environ" not in text
+
+
+# ------------------------------------------------------------------ B2. hashed writes
+
+
+def _direct_io_works(folder: Path) -> bool:
+    try:
+        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_sha256(tmp_path,
+                                                                                  direct):
+    """Files of awkward lengths (empty, one byte, around the 4096-byte block and the 8 MiB
+    buffer), written in pieces of any size: the file holds exactly those bytes, past the
+    page cache where the disk allows it, and the digest is the file's sha256."""
+    from comlrl.checkpoint_write import BUFFER_BYTES, HashedWriter
+
+    rng = __import__("random").Random(0)
+    for length in (0, 1, 4095, 4096, 4097, BUFFER_BYTES - 1, BUFFER_BYTES + 4096 * 3 + 5):
+        data = rng.randbytes(length)
+        path = tmp_path / f"f{length}"
+        with HashedWriter(path, direct=direct) as f:
+            pos = 0
+            while pos < length:
+                n = rng.choice([1, 7, 4096, 100_000, BUFFER_BYTES + 11])
+                assert f.write(memoryview(data)[pos:pos + n]) == len(data[pos:pos + n])
+                pos += n
+            assert f.tell() == length
+        assert f.direct == (direct and _direct_io_works(tmp_path))
+        assert path.read_bytes() == data
+        assert f.digest == hashlib.sha256(data).hexdigest() == ck.file_sha256(path)
+
+
+def test_a_hashed_write_goes_on_without_o_direct_when_the_first_write_refuses_it(tmp_path,
+                                                                                monkeypatch):
+    """Some filesystems accept O_DIRECT at open and refuse it (EINVAL) at the first write:
+    the writer drops the flag and writes the same bytes the ordinary way."""
+    import errno
+
+    from comlrl import checkpoint_write as cw
+
+    real_write, calls = os.write, []
+
+    def refuse_once(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(cw.os, "write", refuse_once)
+    data = os.urandom(cw.BUFFER_BYTES + 10)
+    with cw.HashedWriter(tmp_path / "f") as f:
+        f.write(data)
+    assert not f.direct and len(calls) == 3
+    assert (tmp_path / "f").read_bytes() == data and f.digest == hashlib.sha256(data).hexdigest()
+
+
+def test_torch_save_hashed_writes_what_torch_load_reads(tmp_path):
+    """The optimizer file goes through the writer: it is an ordinary torch file."""
+    import torch
+
+    from comlrl.checkpoint_write import torch_save_hashed
+
+    state = {"state": {i: {"exp_avg": torch.randn(1000 + i)} for i in range(3)}, "lr": 0.1}
+    digest = torch_save_hashed(state, tmp_path / "optimizer.pt")
+    back = torch.load(tmp_path / "optimizer.pt", weights_only=False)
+    assert back["lr"] == 0.1 and all(torch.equal(back["state"][i]["exp_avg"], v["exp_avg"])
+                                     for i, v in state["state"].items())
+    assert digest == ck.file_sha256(tmp_path / "optimizer.pt")
 
 
 # ------------------------------------------------------------------ C. full disk

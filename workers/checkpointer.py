@@ -50,17 +50,23 @@ class Checkpointer:
         except OSError as exc:
             self.abort(epoch, f"{type(exc).__name__}: {exc}")
 
-    def commit(self, epoch: int, metadata: dict, *agent_files: list[str]) -> str:
+    def commit(self, epoch: int, metadata: dict, *agent_files: dict[str, str | None]) -> str:
         """Publish the staged folder as checkpoint-`epoch` with `metadata` (prunes this run's
         older checkpoints past total_limit). A write failure (e.g. a full disk) removes the
         staging folder and raises CheckpointWriteError, naming checkpoint_dir and the bytes
         needed; earlier checkpoints stay intact."""
         staging = staging_path(self.checkpoint_dir, epoch)
         metadata = {**metadata, "run_uid": metadata.get("run_uid") or self.run_uid}
-        if agent_files:   # what each learner's `saved` says it wrote, checked before publishing
-            metadata["agent_files"] = {f"agent_{a}": names for a, names in enumerate(agent_files)}
+        # What each learner's `saved` says it wrote (checked before publishing), with the
+        # sha256 of the files it hashed while writing them (the others are hashed here).
+        files = {f"agent_{a}": written for a, written in enumerate(agent_files)}
+        if files:
+            metadata["agent_files"] = {agent: sorted(written) for agent, written in files.items()}
+        digests = {f"{agent}/{name}": digest for agent, written in files.items()
+                   for name, digest in dict(written).items() if digest}
         try:
-            final = commit_checkpoint(staging, metadata, self.total_limit, self.before_publish)
+            final = commit_checkpoint(staging, metadata, self.total_limit, self.before_publish,
+                                      digests)
         except (OSError, RuntimeError) as exc:
             self.abort(epoch, f"{type(exc).__name__}: {exc}")
         return str(final)

@@ -200,11 +200,11 @@ class Learner:
                      "version": self.version})
         self.write = {"thread": threading.Thread(target=self._write, daemon=True,
                                                  args=(Path(folder), *snapshot)),
-                      "names": None, "error": None}
+                      "files": None, "error": None}
         self.write["thread"].start()
 
     def _write(self, out: Path, weights: dict, optimizer: dict, rng: dict) -> None:
-        import torch
+        from comlrl.checkpoint_write import torch_save_hashed
 
         try:
             # Not parents=True: a staging folder removed meanwhile (`abort`) stays removed.
@@ -213,9 +213,11 @@ class Learner:
             for name, data in self.tokenizer_files.items():
                 # Tokenizer files travel with the weights so the folder loads on its own.
                 (out / name).write_bytes(data)
-            torch.save(optimizer, out / OPTIMIZER_FILE)
-            torch.save(rng, out / RNG_FILE)
-            self.write["names"] = sorted(p.name for p in out.iterdir())
+            # The optimizer file is 2/3 of the bytes: written past the page cache and hashed
+            # on the way, so the checkpointer records these digests instead of reading it back.
+            digests = {name: torch_save_hashed(state, out / name)
+                       for name, state in ((OPTIMIZER_FILE, optimizer), (RNG_FILE, rng))}
+            self.write["files"] = {p.name: digests.get(p.name) for p in sorted(out.iterdir())}
         except BaseException as exc:  # noqa: BLE001 - raised by `saved`
             self.write["error"] = exc
 
@@ -226,9 +228,10 @@ class Learner:
         if write is not None:
             write["thread"].join()
 
-    def saved(self) -> list[str] | None:
-        """Wait for the write `save` started; the names of the files it wrote (None if no
-        write was started). Raises what the write raised, e.g. a full disk's OSError."""
+    def saved(self) -> dict[str, str | None] | None:
+        """Wait for the write `save` started; {name: sha256, or None if not hashed while
+        written} of the files it wrote (None if no write was started). Raises what the write
+        raised, e.g. a full disk's OSError."""
         write = getattr(self, "write", None)
         if write is None:
             return None
@@ -236,7 +239,7 @@ class Learner:
         self.write = None
         if write["error"] is not None:
             raise write["error"]
-        return write["names"]
+        return write["files"]
 
     def load(self, folder: str) -> int:
         """Restore weights, optimizer state, RNG and version from a folder written by `save`."""
