@@ -139,6 +139,7 @@ def install_timers() -> None:
     timed(Session, "log_step", "W&B log_step")
     timed(Session, "save_checkpoint", "checkpoint: save (learners write, commit queued)")
     timed(Session, "wait_checkpoint", "checkpoint: wait for commit")
+    timed(Session, "pull_weights", "pull final weights")
     timed(launch, "ensure_ray", "ray.init")
     timed(actors_mod, "pack_model_folder", "pack model folders")
     timed(trainer_mod.MAGRPOTrainer, "fingerprints", "fingerprints")
@@ -250,6 +251,7 @@ def summarise(res: dict) -> tuple[list[list], list[list]]:
     rows = [[name, secs, f"{100 * secs / wall:.0f}%"] for name, secs in rows]
     rows.append(["epoch (steady, median)", wall, "100%"])
     st = res["startup"]
+    last = res["per_epoch"][ep[-1]]
     start_rows = [
         ["ray.init (local, loopback)", st.get("ray.init", 0.0)],
         ["actors + engines start (wait)", st.get("actors + engines start (wait)", 0.0)],
@@ -263,6 +265,8 @@ def summarise(res: dict) -> tuple[list[list], list[list]]:
              "ray.init", "actors + engines start (wait)", "wandb.init", "ray_get: checkpointer",
              "fingerprints", "pack model folders"))],
         ["first rollout (engine warm-up included)", res["per_epoch"][0].get("generation wait")],
+        ["the last epoch: wait for its checkpoint", last.get("checkpoint: wait for commit", 0.0)],
+        ["the last epoch: final weights into the agents", last.get("pull final weights", 0.0)],
         ["teardown (finish W&B, kill actors)", res["teardown_s"]],
     ]
     start_rows.append(["train() start to first rollout", res["startup_s"]])

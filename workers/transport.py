@@ -14,17 +14,15 @@ One small interface, three ways, picked by `MAGRPOConfig.weight_transport`:
 - `CudaIpcTransport` ("cuda_ipc"): an engine on the learner's own GPU maps the learner's
   packed buckets through CUDA IPC handles and copies from them; no bytes cross a wire.
 
-Both GPU transports stream into the engine's existing `load_weights` (vLLM `reload_weights`),
-so the engine side is the same for all three. The group is built without touching
-torch.distributed's default group (an in-process vLLM engine owns that one): a TCPStore hosted
-by the learner plus a process-group object constructed directly, like vLLM's
-`StatelessProcessGroup`. The engine is in the worker's own process (tensor_parallel_size 1);
-a tensor-parallel engine would need vLLM's weight-transfer API to reach its other ranks
-(`vllm.distributed.weight_transfer`), which `resolve_transport` refuses rather than guess.
+Both GPU transports stream into the engine's `load_weights` (vLLM `reload_weights`), so the
+engine side is the same for all three. The group leaves torch.distributed's default group
+alone (an in-process vLLM engine owns it): a TCPStore hosted by the learner plus a process
+group built directly, like vLLM's `StatelessProcessGroup`. A tensor-parallel engine would
+need vLLM's weight-transfer API (`vllm.distributed.weight_transfer`) to reach its other
+ranks, which `resolve_transport` refuses rather than guess.
 
-The actor-side halves are mixins: `WorkerEndpoint` is a base of `RolloutWorker`;
-`with_learner_endpoint(Learner)` adds `LearnerEndpoint` to the learner class at launch, so the
-learner module stays free of transport code.
+Actor-side halves are mixins: `WorkerEndpoint` (a base of `RolloutWorker`), `LearnerEndpoint`
+(added to the learner class at launch by `with_learner_endpoint`).
 """
 
 from __future__ import annotations
@@ -152,14 +150,18 @@ def pack_weights(state_dict: dict) -> dict:
     return {"weights": out}
 
 
-def unpack_weights(packed: dict) -> dict:
+def unpack_weights(packed: dict, copy: bool = True) -> dict:
     """`pack_weights`'s result as tensors. The arrays sit in read-only object-store memory,
     which torch cannot mark read-only: each tensor gets its own writable copy (one memcpy),
-    so nothing (vLLM keeps some loaded tensors as they are) can write into shared memory."""
-    import torch
+    so nothing (vLLM keeps some loaded tensors as they are) can write into shared memory.
+    `copy=False` gives views of that memory, for a caller that only copies out of them."""
+    import warnings, torch  # noqa: E401
 
-    return {name: torch.from_numpy(array.copy()).view(getattr(torch, dtype)).reshape(shape)
-            for name, (dtype, shape, array) in packed["weights"].items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return {name: torch.from_numpy(array.copy() if copy else array).view(
+            getattr(torch, dtype)).reshape(shape) for name, (dtype, shape, array) in
+            packed["weights"].items()}
 
 
 def _node_info() -> dict:
