@@ -9,7 +9,8 @@ both libraries log once per rollout buffer, so the last point of epoch k closes 
 
 Sides: `ours` (this project with its defaults: `colocate='auto'`, which on this local CPU
 run hosts each agent's learner in its engine's actor), `split` (`colocate=False`: learners and
-engines in separate actors), `colocated` (`colocate=True`) and `comlrl`.
+engines in separate actors), `colocated` (`colocate=True`), `bf16` (the defaults with the
+opt-in `engine_dtype='bfloat16'`) and `comlrl`.
 
 Per side: start-up (constructing the trainer to the end of epoch 1, minus one steady epoch),
 time to the first logged step, seconds per epoch in steady state (epochs 2..N), total train()
@@ -51,8 +52,9 @@ STEPS_PER_EPOCH = PROMPTS * K          # env_steps per epoch (aligned, one turn)
 DEFAULT_EPOCHS = {"0.43M": 6, "10M": 5, "76.6M": 4}
 WHOLE_EPOCHS = (2, 4)                  # the seed example: 2 epochs, then resume to 4
 UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
-OURS = ("ours", "split", "colocated")  # this project's sides: its defaults, and each layout
-LAYOUT_FLAGS = {"split": ["--colocate", "False"], "colocated": ["--colocate", "True"]}
+OURS = ("ours", "split", "colocated", "bf16")  # this project: defaults, each layout, bf16 engines
+LAYOUT_FLAGS = {"split": ["--colocate", "False"], "colocated": ["--colocate", "True"],
+                "bf16": ["--engine-dtype", "bfloat16"]}
 
 
 # ---------------------------------------------------------------- the comlrl 1.4.3 virtualenv
@@ -366,7 +368,7 @@ def main() -> None:
                    help=f"epochs per run (default {DEFAULT_EPOCHS}); epoch 1 is warm-up")
     p.add_argument("--sides", default="ours,comlrl",
                    help="any of ours, split, colocated (ours with colocate=False/True), "
-                        "comlrl")
+                        "bf16 (ours with engine_dtype='bfloat16'), comlrl")
     p.add_argument("--checkpoint", action="store_true",
                    help="checkpoint every epoch like the seed example (keep the newest)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor measurements")
@@ -388,6 +390,9 @@ def main() -> None:
     sizes = bl.parse_sizes(a.sizes, a.short)
     repeats = 1 if a.short else a.repeats
     sides = [s.strip() for s in a.sides.split(",") if s.strip()]
+    if set(sides) - {*OURS, "comlrl"}:
+        p.error(f"--sides: unknown {sorted(set(sides) - {*OURS, 'comlrl'})}; use any of "
+                f"{', '.join(OURS)}, comlrl")
     epochs_of = {s: a.epochs or (2 if a.short else DEFAULT_EPOCHS[s]) for s in sizes}
 
     load_start = os.getloadavg()

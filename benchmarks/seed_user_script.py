@@ -28,6 +28,8 @@ parser.add_argument("--checkpoint-dir", default=None,
                     help="checkpoint every epoch (keeping the newest), as the seed example does")
 parser.add_argument("--colocate", choices=("True", "False"), default=None,
                     help="this project only: MAGRPOConfig(colocate=...) (default: its 'auto')")
+parser.add_argument("--engine-dtype", default=None,
+                    help="this project only: MAGRPOConfig(engine_dtype=...) (default: 'auto')")
 parser.add_argument("--resume-epochs", type=int, default=None,
                     help="the whole seed example as written: train --epochs with a checkpoint "
                          "every epoch (all kept) into --checkpoint-dir, then build a new trainer "
@@ -70,6 +72,7 @@ def build_trainer(num_train_epochs, wandb_config, agents=None):
         max_new_tokens=64,
         logging_steps=1,
         **({"colocate": cli.colocate == "True"} if cli.colocate else {}),
+        **({"engine_dtype": cli.engine_dtype} if cli.engine_dtype else {}),
     )
     return MAGRPOTrainer(
         agents=agents or [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)],
