@@ -54,6 +54,46 @@ def test_only_the_weights_may_differ(tmp_path: Path):
     assert _key(MAGRPOConfig(), [str(a)] * 2, logs="/elsewhere/logs") != base
 
 
+def test_final_weights_go_into_fresh_memory_of_the_same_parameters(tmp_path: Path):
+    """`into_fresh_memory` (how `pull_weights` hands the final weights to the user's models):
+    every Parameter object stays the one the user holds, now in memory of its own (not the
+    safetensors file `from_pretrained` mapped) holding the given values; tied weights stay
+    one tensor; a state dict with a missing or reshaped weight is refused, naming it."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from workers.learner import into_fresh_memory
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    torch.manual_seed(1)
+    other = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    other["lm_head.weight"] = other["model.embed_tokens.weight"]
+    params = dict(model.named_parameters())
+    pointers = {k: p.data_ptr() for k, p in params.items()}
+
+    into_fresh_memory(model, other)
+    assert dict(model.named_parameters()) == params        # the same objects
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, other[name]), name
+        assert value.data_ptr() != other[name].data_ptr(), name   # a copy, not a view
+    assert all(params[k].data_ptr() != pointers[k] for k in params)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    other["model.norm.weight"].add_(1.0)                   # the source changing later ...
+    assert not torch.equal(model.model.norm.weight, other["model.norm.weight"])   # ... doesn't
+
+    missing = {k: v for k, v in other.items() if k != "model.norm.weight"}
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        into_fresh_memory(model, missing)
+    reshaped = dict(other, **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        into_fresh_memory(model, reshaped)
+
+
 def test_warm_actors_restart_from_the_taking_runs_model_folders():
     """Warm actors live on a local Ray, where actors load the driver's model folders by path
     (`model_sources`); the run that parked them deleted its folders, so taking them points

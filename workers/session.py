@@ -438,13 +438,11 @@ class Session:
         """Copy the learners' final weights into the trainer's agents (for save_model). As
         NumPy arrays (`export_weights`), Ray stores them with one copy and hands them over
         without another; pickled tensors took 6 s at 76.6M (BENCHMARKS.md)."""
-        import torch
-
         from workers.launch import ray_get
+        from workers.learner import into_fresh_memory
         from workers.transport import unpack_weights
 
         states = ray_get([l.export_weights.remote() for l in self.learners], "learners")
-        with torch.no_grad():
-            for model, packed in zip(self.trainer._initial_models(), states):
-                # strict: every weight, nothing else; each is copied out of the store
-                model.load_state_dict(unpack_weights(packed, copy=False))
+        for model, packed in zip(self.trainer._initial_models(), states):
+            # strict: every weight, nothing else; each is copied out of the store
+            into_fresh_memory(model, unpack_weights(packed, copy=False))
