@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import mmap
 import os
+import struct
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ALIGN = 4096
 """O_DIRECT wants the buffer's address, the file offset and each length aligned to the
@@ -115,3 +119,65 @@ def torch_save_hashed(obj: Any, path: str | os.PathLike) -> str:
     with HashedWriter(Path(path)) as f:
         torch.save(obj, f)
     return f.digest
+
+
+_PATCH_LOCK = threading.Lock()
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+                      "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+                      "uint8": "U8", "bool": "BOOL"}
+
+
+def safetensors_save_hashed(tensors: dict, path: str | os.PathLike,
+                            metadata: dict | None = None) -> str:
+    """Write `tensors` as a safetensors file (8-byte header length, JSON header padded to 8,
+    then each tensor's bytes in order) through a `HashedWriter`, straight from the tensors'
+    memory; returns its sha256. `safetensors.torch.save` would first build the file in
+    memory: three fresh copies cost more here than the page cache they spare."""
+    import torch
+
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")],
+                        "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with HashedWriter(path) as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in order:
+            t = tensors[name].detach().to("cpu").contiguous().reshape(-1)
+            f.write(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return f.digest
+
+
+@contextmanager
+def safetensors_hashed(digests: dict[str, str]) -> Iterator[None]:
+    """While open, the safetensors files `save_pretrained` writes go through
+    `safetensors_save_hashed`, and `digests` gets {file name: sha256}. transformers looks
+    `safe_save_file` up in its module on every call, so the name is swapped there for the
+    block. A dtype safetensors names otherwise, or another transformers without that name,
+    gets the usual writer (the commit then hashes the file). The lock keeps two writers of
+    one process from swapping it at once."""
+    from transformers import modeling_utils
+
+    original = getattr(modeling_utils, "safe_save_file", None)
+    if original is None:
+        yield
+        return
+
+    def save_file(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        if any(str(t.dtype).removeprefix("torch.") not in SAFETENSORS_DTYPES
+               for t in tensors.values()):
+            return original(tensors, filename, metadata=metadata)
+        digests[Path(filename).name] = safetensors_save_hashed(tensors, filename, metadata)
+
+    with _PATCH_LOCK:
+        modeling_utils.safe_save_file = save_file
+        try:
+            yield
+        finally:
+            modeling_utils.safe_save_file = original

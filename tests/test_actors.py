@@ -145,7 +145,7 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
     """On the CPU a learner's checkpoint write reads the live weights and AdamW state (no
     copy on the driver's path): the next update must wait for it. The write is held 1 s
     here, and an update sent meanwhile still leaves the files with the state of the save.
-    The optimizer and RNG files are hashed while written: their digests are the files'."""
+    Weights, optimizer and RNG files are hashed while written: their digests are the files'."""
     import time
 
     import torch
@@ -173,8 +173,9 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
     # The files hashed while written report their sha256 (the commit records it unread).
     folder = tmp_path / "agent_0"
     assert sorted(files) == sorted(p.name for p in folder.iterdir())
-    assert {name for name, digest in files.items() if digest} == {OPTIMIZER_FILE, RNG_FILE}
-    for name in (OPTIMIZER_FILE, RNG_FILE):
+    hashed = {OPTIMIZER_FILE, RNG_FILE, "model.safetensors"}
+    assert {name for name, digest in files.items() if digest} == hashed
+    for name in hashed:
         assert files[name] == file_sha256(folder / name), name
     written = load_file(str(tmp_path / "agent_0" / "model.safetensors"))
     for name, value in written.items():

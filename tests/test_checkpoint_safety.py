@@ -432,6 +432,59 @@ def test_torch_save_hashed_writes_what_torch_load_reads(tmp_path):
     assert digest == ck.file_sha256(tmp_path / "optimizer.pt")
 
 
+def test_save_pretrained_through_the_hashed_writer_writes_what_safetensors_reads(tmp_path):
+    """`safetensors_hashed`: the weights `save_pretrained` writes inside it are a safetensors
+    file with the same tensors and metadata as its own writer's, `from_pretrained` loads it,
+    the digest is the file's sha256, and transformers' writer is back afterwards, also when
+    the save fails. Every dtype of the table round-trips, and an empty tensor too."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, modeling_utils
+
+    from comlrl.checkpoint_write import safetensors_hashed, safetensors_save_hashed
+    from comlrl.tiny_model import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
+    original = modeling_utils.safe_save_file
+    model.save_pretrained(tmp_path / "plain")
+    digests: dict[str, str] = {}
+    with safetensors_hashed(digests):
+        assert modeling_utils.safe_save_file is not original
+        model.save_pretrained(tmp_path / "hashed")
+    assert modeling_utils.safe_save_file is original
+    ours, theirs = tmp_path / "hashed" / "model.safetensors", tmp_path / "plain" / "model.safetensors"
+    assert digests == {"model.safetensors": ck.file_sha256(ours)}
+    with safe_open(str(ours), "pt") as a, safe_open(str(theirs), "pt") as b:
+        assert a.metadata() == b.metadata() == {"format": "pt"}
+        assert sorted(a.keys()) == sorted(b.keys())
+        for name in a.keys():
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hashed")
+    for name, value in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+
+    g = torch.Generator().manual_seed(0)
+    mixed = {"f64": torch.randn(3, 2, dtype=torch.float64, generator=g),
+             "bf16": torch.randn(5, generator=g).to(torch.bfloat16),
+             "f16": torch.randn(7, generator=g).half(), "i64": torch.arange(-3, 4),
+             "i32": torch.arange(9, dtype=torch.int32).reshape(3, 3).t(),   # not contiguous
+             "i16": torch.tensor([1, -2], dtype=torch.int16),
+             "i8": torch.tensor([-7], dtype=torch.int8), "u8": torch.tensor([255], dtype=torch.uint8),
+             "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4)}
+    digest = safetensors_save_hashed(mixed, tmp_path / "mixed.safetensors", {"k": "v"})
+    assert digest == ck.file_sha256(tmp_path / "mixed.safetensors")
+    loaded = load_file(str(tmp_path / "mixed.safetensors"))
+    assert loaded.keys() == mixed.keys()
+    for name, value in mixed.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+
+    with pytest.raises(FileNotFoundError):
+        with safetensors_hashed({}):
+            modeling_utils.safe_save_file({"w": torch.zeros(2)}, str(tmp_path / "no" / "f"))
+    assert modeling_utils.safe_save_file is original
+
+
 # ------------------------------------------------------------------ C. full disk
 
 

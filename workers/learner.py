@@ -204,19 +204,22 @@ class Learner:
         self.write["thread"].start()
 
     def _write(self, out: Path, weights: dict, optimizer: dict, rng: dict) -> None:
-        from comlrl.checkpoint_write import torch_save_hashed
+        from comlrl.checkpoint_write import safetensors_hashed, torch_save_hashed
 
         try:
             # Not parents=True: a staging folder removed meanwhile (`abort`) stays removed.
             out.mkdir(exist_ok=True)
-            self.model.save_pretrained(out, state_dict=weights, safe_serialization=True)
+            # Weights and optimizer state (2/3 of the bytes) are written past the page cache
+            # and hashed on the way, so the checkpointer records these digests instead of
+            # reading the files back; the writes also leave the GIL to a colocated engine.
+            digests: dict[str, str] = {}
+            with safetensors_hashed(digests):
+                self.model.save_pretrained(out, state_dict=weights, safe_serialization=True)
             for name, data in self.tokenizer_files.items():
                 # Tokenizer files travel with the weights so the folder loads on its own.
                 (out / name).write_bytes(data)
-            # The optimizer file is 2/3 of the bytes: written past the page cache and hashed
-            # on the way, so the checkpointer records these digests instead of reading it back.
-            digests = {name: torch_save_hashed(state, out / name)
-                       for name, state in ((OPTIMIZER_FILE, optimizer), (RNG_FILE, rng))}
+            digests.update({name: torch_save_hashed(state, out / name)
+                            for name, state in ((OPTIMIZER_FILE, optimizer), (RNG_FILE, rng))})
             self.write["files"] = {p.name: digests.get(p.name) for p in sorted(out.iterdir())}
         except BaseException as exc:  # noqa: BLE001 - raised by `saved`
             self.write["error"] = exc
