@@ -142,7 +142,7 @@ def model_sources(folders: list[str], local: bool) -> list:
     driver's folders themselves: every actor shares its disk. Elsewhere each folder is packed
     into the object store (`pack_model_folder`), as actors on other nodes cannot
     read the driver's disk; at 76.6M that costs ~6 CPU-s of start-up (the driver reads and
-    stores 2 x 306 MB, each actor writes its own copy), BENCHMARKS.md section 0."""
+    stores 2 x 306 MB, each actor writes its own copy), BENCHMARKS.md (start-up)."""
     if local:
         return list(folders)
     import ray
