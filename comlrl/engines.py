@@ -27,6 +27,10 @@ ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
+    # torch backs its large CPU allocations (>= 2 MB) with huge pages: a learner's first
+    # update allocates gradients and AdamW moments (0.9 GB at 76.6M), and in an actor each
+    # 4 KB first touch cost ~2.6 s/GB here; 76.6M seed run 54.0 -> 51.0 s (BENCHMARKS.md).
+    "THP_MEM_ALLOC_ENABLE": "1",
 }
 
 
