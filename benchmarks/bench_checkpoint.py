@@ -3,7 +3,7 @@
 For each size, one agent's real checkpoint on an otherwise idle machine: a `Learner` (the
 plain class, no Ray) takes one update so that AdamW holds its moments, then
   - `save` (the snapshot the training waits for) and `saved` (the background write),
-  - `commit_checkpoint` (sha256 of the files the write did not hash on the way, fsync,
+  - `commit_checkpoint` (the hash of the files the write did not hash on the way, fsync,
     rename: the checkpointer's part),
 against the same number of bytes written once from one memory buffer to new files in the same
 folder with ordinary writes, no copy, no hash, no fsync (the floor of a buffered write; the
@@ -68,7 +68,7 @@ def one_size(size: str, agents: int, root: Path) -> dict:
     nbytes = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
     meta = {"env_step": 0, "epoch": 1, "run_uid": "bench"}
     _, wall, cpu = timed(lambda: commit_checkpoint(staging, meta, digests=digests))
-    rows["commit (sha256 of the rest, fsync, rename)"] = [wall, cpu]
+    rows["commit (hash of the rest, fsync, rename)"] = [wall, cpu]
     parts = 2 * agents                 # weights and optimizer state of each agent
     buf = memoryview(bytearray(os.urandom(1 << 20)) * max(1, nbytes // parts // (1 << 20)))
     _, wall, cpu = timed(lambda: write_floor(root / f"floor-{size}", buf, parts))

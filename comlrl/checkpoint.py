@@ -24,7 +24,6 @@ is no longer mistaken for a whole checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -32,8 +31,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from comlrl.checkpoint_write import DIGEST, file_digest, file_sha256  # noqa: F401 (re-exported)
+
 FORMAT = "comlrl-split-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: file digests are "xxh3_128:<hex>" (1: bare sha256 hex, still read and verified)."""
 METADATA = "metadata.json"
 MARKER = ".comlrl-split-owner.json"
 JOURNAL = "wandb-journal.json"
@@ -190,11 +192,11 @@ def verify_checksums(path: str | os.PathLike, meta: dict | None = None) -> None:
         f = folder / rel
         if not f.is_file():
             raise CheckpointError(f"checkpoint {folder} is missing {rel}; it is damaged.")
-        actual = file_sha256(f)
+        actual = file_digest(f, digest_scheme(digest, f"checkpoint {folder}: {rel}"))
         if actual != digest:
             raise CheckpointError(
-                f"checkpoint {folder}: {rel} changed since it was written (sha256 {actual[:12]} "
-                f"!= recorded {digest[:12]}). Restore the file or resume from another checkpoint."
+                f"checkpoint {folder}: {rel} changed since it was written (hash {actual[:21]} "
+                f"!= recorded {digest[:21]}). Restore the file or resume from another checkpoint."
             )
 
 
@@ -312,7 +314,8 @@ def commit_checkpoint(staging: Path, metadata: dict, total_limit: int | None = N
                       before_publish: Callable[[Path], Any] | None = None,
                       digests: dict[str, str] | None = None) -> Path:
     """Checksum, fsync and atomically publish `staging` as checkpoint-N (N from its name).
-    `digests` holds the sha256 of files their writer hashed on the way (by relative path).
+    `digests` holds the digests (`file_digest`'s) of files their writer hashed on the way,
+    by relative path.
 
     metadata.json is the last file written; the folder gets its public name only by one
     rename after everything is on disk, so no reader ever sees half a checkpoint.
@@ -345,7 +348,7 @@ def commit_checkpoint(staging: Path, metadata: dict, total_limit: int | None = N
         rel = f.relative_to(staging).as_posix()
         if rel in (MARKER, METADATA, METADATA + ".tmp"):
             continue
-        files[rel] = (digests or {}).get(rel) or file_sha256(f)
+        files[rel] = (digests or {}).get(rel) or file_digest(f)
         _fsync_file(f)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, **metadata, "files": files}
     tmp = staging / (METADATA + ".tmp")
@@ -411,12 +414,14 @@ def read_journal(checkpoint_dir: str | os.PathLike, run_id: str | None) -> int:
     return int(data.get("last_step", -1)) if data.get("run_id") == run_id else -1
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def digest_scheme(recorded: str, what: str) -> str:
+    """The hash a recorded digest (of file `what`) was made with: "xxh3_128:<hex>", or a
+    bare sha256 hex (format_version 1)."""
+    scheme = recorded.partition(":")[0] if ":" in recorded else "sha256"
+    if scheme not in (DIGEST, "sha256"):
+        raise CheckpointError(f"{what}: its recorded hash {recorded[:30]!r} is of a kind this "
+                              f"code does not know ({DIGEST} or sha256); upgrade comlrl-split.")
+    return scheme
 
 
 def _fsync_file(path: Path) -> None:

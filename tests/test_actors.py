@@ -154,7 +154,7 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
     import torch
     from safetensors.torch import load_file
 
-    from comlrl.checkpoint import file_sha256
+    from comlrl.checkpoint import file_digest
     from workers.learner import OPTIMIZER_FILE, RNG_FILE, Learner
 
     learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
@@ -173,13 +173,13 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
     learner.save(str(tmp_path / "agent_0"))
     learner.update(groups(), shuffle_seed=1)          # sent while the write is held
     files = learner.saved()
-    # The files hashed while written report their sha256 (the commit records it unread).
+    # The files hashed while written report their digests (the commit records them unread).
     folder = tmp_path / "agent_0"
     assert sorted(files) == sorted(p.name for p in folder.iterdir())
     hashed = {OPTIMIZER_FILE, RNG_FILE, "model.safetensors"}
     assert {name for name, digest in files.items() if digest} == hashed
     for name in hashed:
-        assert files[name] == file_sha256(folder / name), name
+        assert files[name] == file_digest(folder / name), name
     written = load_file(str(tmp_path / "agent_0" / "model.safetensors"))
     for name, value in written.items():
         assert torch.equal(value, at_save[name]), name

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import xxhash
 import warnings
 from pathlib import Path
 
@@ -242,6 +243,43 @@ def test_checkpoints_carry_the_marker_and_keep_the_metadata_fields(tmp_path):
     assert not (final / "driver_state.pt").exists()
 
 
+def test_files_are_recorded_with_xxh3_and_version_1_sha256_checkpoints_still_verify(tmp_path):
+    """Format 2 records "xxh3_128:<hex>" for every file, each the hash of the file's bytes
+    (computed here with xxhash itself). A format-1 checkpoint (bare sha256 digests) is still
+    read and verified, and a changed byte is refused under either scheme, naming the file; a
+    digest of a kind this code does not know is refused with what to do."""
+    final = _write(Checkpointer(str(tmp_path / "ckpt"), None, RUN_A), 1)
+    meta = read_checkpoint_metadata(final)
+    assert meta["format_version"] == 2 and meta["files"]
+    for rel, digest in meta["files"].items():
+        assert digest == "xxh3_128:" + xxhash.xxh3_128((final / rel).read_bytes()).hexdigest()
+
+    raw = json.loads((final / ck.METADATA).read_text())
+    raw["format_version"] = 1
+    raw["files"] = {rel: hashlib.sha256((final / rel).read_bytes()).hexdigest()
+                    for rel in raw["files"]}
+    (final / ck.METADATA).write_text(json.dumps(raw))
+    verify_checksums(final)
+    weights = final / "agent_0" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="agent_0/model.safetensors changed since"):
+        verify_checksums(final)
+    raw["format_version"] = 2
+    raw["files"] = {rel: ck.file_digest(final / rel) for rel in raw["files"]}
+    (final / ck.METADATA).write_text(json.dumps(raw))
+    verify_checksums(final)
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="agent_0/model.safetensors changed since"):
+        verify_checksums(final)
+    raw["files"]["agent_0/model.safetensors"] = "md5:0123"
+    (final / ck.METADATA).write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="md5:0123.*does not know.*upgrade comlrl-split"):
+        verify_checksums(final)
+
+
 def test_legacy_checkpoint_without_marker_is_ours_by_metadata(tmp_path):
     d = tmp_path / "ckpt"
     cp = Checkpointer(str(d), 1, RUN_A)
@@ -371,11 +409,12 @@ def _direct_io_works(folder: Path) -> bool:
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_sha256(tmp_path,
-                                                                                  direct):
+def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_xxh3(tmp_path,
+                                                                                direct):
     """Files of awkward lengths (empty, one byte, around the 4096-byte block and the 8 MiB
     buffer), written in pieces of any size: the file holds exactly those bytes, past the
-    page cache where the disk allows it, and the digest is the file's sha256."""
+    page cache where the disk allows it, and the digest is the xxh3-128 of the bytes, as
+    `file_digest` reads it back from the file."""
     from comlrl.checkpoint_write import BUFFER_BYTES, HashedWriter
 
     rng = __import__("random").Random(0)
@@ -391,7 +430,7 @@ def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_sha25
             assert f.tell() == length
         assert f.direct == (direct and _direct_io_works(tmp_path))
         assert path.read_bytes() == data
-        assert f.digest == hashlib.sha256(data).hexdigest() == ck.file_sha256(path)
+        assert f.digest == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest() == ck.file_digest(path)
 
 
 def test_a_hashed_write_goes_on_without_o_direct_when_the_first_write_refuses_it(tmp_path,
@@ -415,7 +454,7 @@ def test_a_hashed_write_goes_on_without_o_direct_when_the_first_write_refuses_it
     with cw.HashedWriter(tmp_path / "f") as f:
         f.write(data)
     assert not f.direct and len(calls) == 3
-    assert (tmp_path / "f").read_bytes() == data and f.digest == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "f").read_bytes() == data and f.digest == ck.file_digest(tmp_path / "f")
 
 
 def test_torch_save_hashed_writes_what_torch_load_reads(tmp_path):
@@ -429,13 +468,13 @@ def test_torch_save_hashed_writes_what_torch_load_reads(tmp_path):
     back = torch.load(tmp_path / "optimizer.pt", weights_only=False)
     assert back["lr"] == 0.1 and all(torch.equal(back["state"][i]["exp_avg"], v["exp_avg"])
                                      for i, v in state["state"].items())
-    assert digest == ck.file_sha256(tmp_path / "optimizer.pt")
+    assert digest == ck.file_digest(tmp_path / "optimizer.pt")
 
 
 def test_save_pretrained_through_the_hashed_writer_writes_what_safetensors_reads(tmp_path):
     """`safetensors_hashed`: the weights `save_pretrained` writes inside it are a safetensors
     file with the same tensors and metadata as its own writer's, `from_pretrained` loads it,
-    the digest is the file's sha256, and transformers' writer is back afterwards, also when
+    the digest is the file's, and transformers' writer is back afterwards, also when
     the save fails. Every dtype of the table round-trips, and an empty tensor too."""
     import torch
     from safetensors import safe_open
@@ -454,7 +493,7 @@ def test_save_pretrained_through_the_hashed_writer_writes_what_safetensors_reads
         model.save_pretrained(tmp_path / "hashed")
     assert modeling_utils.safe_save_file is original
     ours, theirs = tmp_path / "hashed" / "model.safetensors", tmp_path / "plain" / "model.safetensors"
-    assert digests == {"model.safetensors": ck.file_sha256(ours)}
+    assert digests == {"model.safetensors": ck.file_digest(ours)}
     with safe_open(str(ours), "pt") as a, safe_open(str(theirs), "pt") as b:
         assert a.metadata() == b.metadata() == {"format": "pt"}
         assert sorted(a.keys()) == sorted(b.keys())
@@ -473,7 +512,7 @@ def test_save_pretrained_through_the_hashed_writer_writes_what_safetensors_reads
              "i8": torch.tensor([-7], dtype=torch.int8), "u8": torch.tensor([255], dtype=torch.uint8),
              "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4)}
     digest = safetensors_save_hashed(mixed, tmp_path / "mixed.safetensors", {"k": "v"})
-    assert digest == ck.file_sha256(tmp_path / "mixed.safetensors")
+    assert digest == ck.file_digest(tmp_path / "mixed.safetensors")
     loaded = load_file(str(tmp_path / "mixed.safetensors"))
     assert loaded.keys() == mixed.keys()
     for name, value in mixed.items():

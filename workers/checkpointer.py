@@ -58,7 +58,7 @@ class Checkpointer:
         staging = staging_path(self.checkpoint_dir, epoch)
         metadata = {**metadata, "run_uid": metadata.get("run_uid") or self.run_uid}
         # What each learner's `saved` says it wrote (checked before publishing), with the
-        # sha256 of the files it hashed while writing them (the others are hashed here).
+        # digests of the files it hashed while writing them (the others are hashed here).
         files = {f"agent_{a}": written for a, written in enumerate(agent_files)}
         if files:
             metadata["agent_files"] = {agent: sorted(written) for agent, written in files.items()}

@@ -232,7 +232,7 @@ class Learner:
             write["thread"].join()
 
     def saved(self) -> dict[str, str | None] | None:
-        """Wait for the write `save` started; {name: sha256, or None if not hashed while
+        """Wait for the write `save` started; {name: digest, or None if not hashed while
         written} of the files it wrote (None if no write was started). Raises what the write
         raised, e.g. a full disk's OSError."""
         write = getattr(self, "write", None)
