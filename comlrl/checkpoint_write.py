@@ -144,16 +144,24 @@ class HashedWriter:
             self.buffer.close()
 
 
+_PATCH_LOCK = threading.Lock()
+
+
 def torch_save_hashed(obj: Any, path: str | os.PathLike) -> str:
-    """`torch.save(obj, path)` through a `HashedWriter`; returns the file's digest."""
+    """`torch.save(obj, path)` through a `HashedWriter`; returns the file's digest. Its zip
+    records get no CRC-32: that was 0.36 of 0.50 CPU-s for a 76.6M AdamW state (crc32 runs
+    at 2.2 GB/s here), and the digest already covers every byte; torch.load reads the file
+    as any other. The switch is process-wide: set under the lock, put back right after."""
     import torch
 
-    with HashedWriter(Path(path)) as f:
-        torch.save(obj, f)
+    with HashedWriter(Path(path)) as f, _PATCH_LOCK:
+        crc32 = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(obj, f)
+        finally:
+            torch.serialization.set_crc32_options(crc32)
     return f.digest
-
-
-_PATCH_LOCK = threading.Lock()
 SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
                       "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
                       "uint8": "U8", "bool": "BOOL"}

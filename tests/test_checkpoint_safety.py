@@ -471,6 +471,30 @@ def test_torch_save_hashed_writes_what_torch_load_reads(tmp_path):
     assert digest == ck.file_digest(tmp_path / "optimizer.pt")
 
 
+def test_torch_save_hashed_skips_the_zip_crc32_and_leaves_torch_as_it_was(tmp_path):
+    """Its zip records carry no CRC-32 (the digest covers the bytes); torch's own switch is
+    back as it was afterwards, also after a save that fails, so the process's other
+    `torch.save` calls still write CRCs."""
+    import zipfile
+
+    import torch
+
+    from comlrl.checkpoint_write import torch_save_hashed
+
+    state = {"m": torch.randn(10_000)}
+    torch_save_hashed(state, tmp_path / "ours.pt")
+    torch.save(state, tmp_path / "plain.pt")
+    crcs = lambda p: {i.filename.rsplit("/", 1)[-1]: i.CRC for i in zipfile.ZipFile(p).infolist()
+                      if i.file_size}
+    assert set(crcs(tmp_path / "ours.pt").values()) == {0}
+    assert 0 not in crcs(tmp_path / "plain.pt").values()
+    assert torch.equal(torch.load(tmp_path / "ours.pt")["m"], state["m"])
+    assert torch.serialization.get_crc32_options() is True
+    with pytest.raises(Exception):
+        torch_save_hashed({"f": lambda: 0}, tmp_path / "bad.pt")    # a lambda does not pickle
+    assert torch.serialization.get_crc32_options() is True
+
+
 def test_save_pretrained_through_the_hashed_writer_writes_what_safetensors_reads(tmp_path):
     """`safetensors_hashed`: the weights `save_pretrained` writes inside it are a safetensors
     file with the same tensors and metadata as its own writer's, `from_pretrained` loads it,
