@@ -433,6 +433,86 @@ def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_xxh3(
         assert f.digest == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest() == ck.file_digest(path)
 
 
+def _addresses_written(monkeypatch) -> list[int]:
+    """Record the memory address of every buffer `checkpoint_write` hands to os.write."""
+    import numpy as np
+
+    from comlrl import checkpoint_write as cw
+
+    seen, real_write = [], os.write
+
+    def write(fd, data):
+        seen.append(np.frombuffer(memoryview(data).cast("B"), np.uint8).ctypes.data)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(cw.os, "write", write)
+    return seen
+
+
+def test_block_aligned_bytes_go_to_disk_from_their_own_memory(tmp_path, monkeypatch):
+    """Pieces whose address and file offset are block-aligned are written from where they
+    lie (no copy through the buffer); unaligned pieces, tails and pieces that follow a
+    buffered remainder go through the buffer. Whatever the mix, the file holds exactly the
+    bytes given and the digest is theirs."""
+    import mmap
+
+    from comlrl.checkpoint_write import ALIGN, BUFFER_BYTES, HashedWriter
+
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    rng = __import__("random").Random(1)
+    region = mmap.mmap(-1, 4 * BUFFER_BYTES)              # page-aligned memory
+    region[:] = rng.randbytes(len(region))
+    whole = memoryview(region)
+    base = __import__("numpy").frombuffer(whole, "uint8").ctypes.data
+    pieces = [(0, 3 * ALIGN),                        # in place
+              (1, 2 * ALIGN),                        # an odd address: buffered
+              (ALIGN, BUFFER_BYTES + 2 * ALIGN),     # the buffer's 2 blocks first, then in place
+              (3 * ALIGN, 5), (0, 0),                # too short to write in place
+              (0, BUFFER_BYTES + 3 * ALIGN + 7),     # an odd file offset: buffered
+              (8 * ALIGN, ALIGN - 5)]
+    seen = _addresses_written(monkeypatch)
+    with HashedWriter(tmp_path / "f") as f:
+        for start, length in pieces:
+            assert f.write(whole[start:start + length]) == length
+    expected = b"".join(bytes(whole[s:s + n]) for s, n in pieces)
+    assert (tmp_path / "f").read_bytes() == expected
+    assert f.digest == "xxh3_128:" + xxhash.xxh3_128(expected).hexdigest()
+    assert base in seen and base + ALIGN in seen       # the two pieces written in place
+    assert f.direct
+    whole.release()
+    region.close()
+
+
+def test_torch_save_hashed_writes_large_aligned_tensors_from_their_own_memory(tmp_path,
+                                                                            monkeypatch):
+    """torch.save is asked for block-aligned records, so a page-aligned tensor's bytes go to
+    disk from the tensor (as AdamW moments of 2 MB and more do in an actor); torch.load
+    reads the file back equal, and torch's alignment setting is back afterwards."""
+    import mmap
+
+    import torch
+    from torch.utils.serialization import config
+
+    from comlrl.checkpoint_write import torch_save_hashed
+
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    region = mmap.mmap(-1, 1 << 20)
+    moment = torch.frombuffer(region, dtype=torch.float32)
+    moment.copy_(torch.randn(moment.numel(), generator=torch.Generator().manual_seed(0)))
+    state = {"state": {0: {"exp_avg": moment, "step": torch.tensor(3.0)}}, "lr": 0.5}
+    seen = _addresses_written(monkeypatch)
+    digest = torch_save_hashed(state, tmp_path / "optimizer.pt")
+    assert moment.data_ptr() in seen
+    assert config.save.storage_alignment == 64
+    back = torch.load(tmp_path / "optimizer.pt")
+    assert torch.equal(back["state"][0]["exp_avg"], moment) and back["lr"] == 0.5
+    assert digest == ck.file_digest(tmp_path / "optimizer.pt")
+    del moment, back
+    region.close()
+
+
 def test_a_hashed_write_goes_on_without_o_direct_when_the_first_write_refuses_it(tmp_path,
                                                                                 monkeypatch):
     """Some filesystems accept O_DIRECT at open and refuse it (EINVAL) at the first write:
@@ -489,6 +569,8 @@ def test_torch_save_hashed_skips_the_zip_crc32_and_leaves_torch_as_it_was(tmp_pa
     assert set(crcs(tmp_path / "ours.pt").values()) == {0}
     assert 0 not in crcs(tmp_path / "plain.pt").values()
     assert torch.equal(torch.load(tmp_path / "ours.pt")["m"], state["m"])
+    from torch.utils.serialization import config
+    assert config.save.storage_alignment == 64
     assert torch.serialization.get_crc32_options() is True
     with pytest.raises(Exception):
         torch_save_hashed({"f": lambda: 0}, tmp_path / "bad.pt")    # a lambda does not pickle
