@@ -3,11 +3,12 @@ page cache.
 
 On the VMs measured here an ordinary write of a new file costs 1.6-2.5 CPU-s per GB (every
 page-cache page it fills is fresh guest memory), more than hashing it (sha256 0.85 CPU-s
-per GB, xxh3 0.09), and the checkpointer then read each file back to hash it. `HashedWriter` copies the bytes
-through one small aligned buffer and writes that with O_DIRECT (~0.01 CPU-s per GB for the
-write itself), hashing them as they pass; the commit records that digest, so nothing is read
-back (BENCHMARKS.md). Where O_DIRECT is refused (some filesystems; macOS has none) the same
-buffer is written the ordinary way.
+per GB, xxh3 0.09), and the checkpointer then read each file back to hash it. `HashedWriter`
+writes with O_DIRECT (~0.01 CPU-s per GB for the write itself), hashing the bytes as they
+pass: block-aligned pieces straight from their own memory, the rest through one small
+aligned buffer. The commit records that digest, so nothing is read back (BENCHMARKS.md).
+Where O_DIRECT is refused (some filesystems; macOS has none) the same buffer is written the
+ordinary way.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ BUFFER_BYTES = 8 << 20
 
 class HashedWriter:
     """A new binary file for writing (`write`, `tell`: what `torch.save` needs), hashed
-    (`DIGEST`) as the bytes pass. Used as a context manager: on success the
-    file is cut to its length, fsynced and closed, and `digest` holds the digest of everything
-    written, as a checkpoint records it (`file_digest`'s); on an error it is only closed (the
-    caller removes what it was writing into)."""
+    (`DIGEST`) as the bytes pass. Used as a context manager: on success the file is cut to
+    its length, fsynced and closed, and `digest` holds the digest of everything written, as
+    a checkpoint records it (`file_digest`'s); on an error it is only closed (the caller
+    removes what it was writing into)."""
 
     def __init__(self, path: str | os.PathLike, direct: bool = True):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
