@@ -267,17 +267,17 @@ class Learner:
         return self.version
 
 
-def into_fresh_memory(model: Any, weights: dict | None = None) -> None:
+def into_fresh_memory(model: Any, weights: dict) -> None:
     """Give each weight of `model` newly allocated memory, filled from `weights` (a state dict
     with the same names and shapes; anything else goes to a strict `load_state_dict`, which
-    names the difference) or from itself. `from_pretrained` maps the safetensors file
-    copy-on-write, so writing into a loaded weight faults page by page: 0.87 s per 306 MB
-    here, against 0.06 s for a fresh copy. Tied weights stay one tensor."""
+    names the difference). `from_pretrained` maps the safetensors file copy-on-write, so
+    writing into a loaded weight faults page by page: 0.87 s per 306 MB here, against 0.06 s
+    for a fresh copy. Tied weights stay one tensor."""
     import torch
 
     current = model.state_dict(keep_vars=True)
-    if weights is not None and (current.keys() != weights.keys() or any(
-            current[k].shape != w.shape for k, w in weights.items())):
+    if current.keys() != weights.keys() or any(
+            current[k].shape != w.shape for k, w in weights.items()):
         model.load_state_dict(weights)
         return
     done: set[int] = set()
@@ -286,7 +286,7 @@ def into_fresh_memory(model: Any, weights: dict | None = None) -> None:
             if id(tensor) not in done:
                 done.add(id(tensor))
                 fresh = torch.empty_like(tensor)
-                fresh.copy_(tensor if weights is None else weights[name])
+                fresh.copy_(weights[name])
                 tensor.data = fresh
 
 
