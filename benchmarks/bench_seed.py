@@ -117,6 +117,11 @@ def run_side(side: str, model: Path, epochs: int, log_path: Path, checkpoint: bo
         tmp = Path(tmp)
         env = {**os.environ, **bl.BENCH_ENV, "WANDB_DIR": str(tmp)}
         env.pop("RAY_ADDRESS", None)
+        # The user's script runs with the user's own allocator settings: our trainer gives
+        # its actors ENGINE_ENV's (huge pages, glibc keeping freed memory) itself, and
+        # comlrl sets none (until 2026-12-04 both sides ran with THP_MEM_ALLOC_ENABLE=1).
+        for key in ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES"):
+            env.pop(key, None)
         if side == "comlrl" and comlrl_threads:
             # comlrl runs in one process; torch takes its thread count from OMP_NUM_THREADS.
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(comlrl_threads)

@@ -97,6 +97,43 @@ def test_final_weights_go_into_fresh_memory_of_the_same_parameters(tmp_path: Pat
         into_fresh_memory(model, reshaped)
 
 
+def _mapped_from(name: str) -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from files called `name` (/proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("/" + name):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_a_cpu_learner_trains_weights_in_memory_of_its_own(tiny_model):
+    """`from_pretrained` leaves every weight inside the mapped safetensors file (checked here
+    first), so a learner's first AdamW step would fault them in copy-on-write, 4 KB at a time;
+    a CPU learner copies them into memory of its own at start, with the file's values."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from workers.learner import Learner
+
+    def inside_file(model) -> list[str]:
+        ranges = _mapped_from("model.safetensors")
+        return [n for n, p in model.named_parameters()
+                if any(start <= p.data_ptr() < end for start, end in ranges)]
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    names = [n for n, _ in plain.named_parameters()]
+    assert inside_file(plain) == names
+    del plain
+    learner = Learner(0, tiny_model, learning_rate=1e-3, train_batch_size=2, device="cpu")
+    assert inside_file(learner.model) == []
+    saved = load_file(str(Path(tiny_model) / "model.safetensors"))
+    state = learner.model.state_dict()
+    for name, value in saved.items():
+        assert torch.equal(state[name], value), name
+
+
 def test_warm_actors_restart_from_the_taking_runs_model_folders():
     """Warm actors live on a local Ray, where actors load the driver's model folders by path
     (`model_sources`); the run that parked them deleted its folders, so taking them points
