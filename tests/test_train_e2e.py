@@ -85,15 +85,21 @@ def test_learning_raises_a_reachable_reward(ray_session, tiny_model, wandb_dir, 
 
 
 def test_reward_errors_surface_from_training_before_any_update(ray_session, tiny_model, tmp_path):
+    """A NaN reward stops train() before any update or checkpoint, naming both agents, and
+    its progress bar is closed (one left open printed "MAGRPO: 0/8" again at exit)."""
+    from tqdm.std import tqdm
+
     def nan_reward(c1, c2):
         return [float("nan")] * len(c1)
 
     trainer = make_trainer(tiny_model, None, reward=nan_reward, max_new_tokens=8)
+    assert trainer.args.verbose            # the bar is shown, so it is a live tqdm
     with pytest.raises(ValueError, match="not finite") as info:
         trainer.train(checkpoint_dir=str(tmp_path / "ckpt"))
     assert "agent 0:" in str(info.value) and "agent 1:" in str(info.value)
     assert trainer.env_step == 0
     assert not list((tmp_path / "ckpt").glob("checkpoint-*"))
+    assert not [bar for bar in list(tqdm._instances) if bar.desc == "MAGRPO"]
 
 
 def _exit_codes(wandb_dir):

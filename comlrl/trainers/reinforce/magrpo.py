@@ -133,50 +133,52 @@ class MAGRPOTrainer:
         total_epochs, size = args.num_train_epochs, args.rollout_buffer_size
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=(total_epochs - session.epoch) * len(rows), desc="MAGRPO",
-                   unit="prompt", disable=not args.verbose, dynamic_ncols=True)
-        if self.env_step == 0 and self._eval_due(0):
-            session.log(self._evaluate_now(session), 0)
-        for epoch in range(session.epoch, total_epochs):
-            buffer: list[Node] = []
-            start = 0
-            while start < len(rows):
-                count = max(1, size - len(buffer)) if args.num_turns == 1 else 1
-                batch = list(range(start, min(start + count, len(rows))))
-                start = batch[-1] + 1
-                record = rollout = StepRecord()
-                episodes = run_episode_batch(self, session, epoch, batch, record)
-                # Evaluations due inside this round see the same weights as their prompt
-                # would; each logs at the env_step its prompt started at.
-                for ep in episodes[1:]:
-                    if self._eval_due(ep.row_index):
-                        session.log(self._evaluate_now(session), ep.env_step_before)
-                buffer += [node for ep in episodes for node in ep.nodes]
-                epoch_end = start >= len(rows)
-                updates = []
-                while len(buffer) >= size or (epoch_end and buffer):
-                    nodes, buffer = buffer[:size], buffer[size:]
-                    session.update_and_push(nodes, record)
-                    updates.append((nodes, record))
-                    record = StepRecord(policy_versions=dict(record.policy_versions))
-                # The evaluation before the next prompt runs now, with the new weights, and
-                # shares the last update's log line (the same env_step) if there was one.
-                upcoming = 0 if epoch_end else start
-                extra = self._evaluate_now(session) if self._eval_due(upcoming) else {}
-                for i, (nodes, step_record) in enumerate(updates):
-                    last = i == len(updates) - 1
-                    session.log_step(nodes, step_record, extra if last else {},
-                                     max(node.env_step for node in nodes))
-                if extra and not updates:
-                    session.log(extra, self.env_step)
-                roots = [r for ep in episodes for r in ep.root.rewards]
-                bar.update(len(batch))
-                bar.set_postfix(env_step=self.env_step, reward=f"{sum(roots) / len(roots):.3f}",
-                                tok_s=f"{rollout.tokens / max(rollout.generation, 1e-9):.0f}")
-            session.epoch = epoch + 1
-            if checkpoint_dir and (session.epoch % interval == 0 or session.epoch == total_epochs):
-                session.save_checkpoint()
-        bar.close()
+        # Closed also when a step raises: a bar left open prints again at interpreter exit.
+        with tqdm(total=(total_epochs - session.epoch) * len(rows), desc="MAGRPO",
+                  unit="prompt", disable=not args.verbose, dynamic_ncols=True) as bar:
+            if self.env_step == 0 and self._eval_due(0):
+                session.log(self._evaluate_now(session), 0)
+            for epoch in range(session.epoch, total_epochs):
+                buffer: list[Node] = []
+                start = 0
+                while start < len(rows):
+                    count = max(1, size - len(buffer)) if args.num_turns == 1 else 1
+                    batch = list(range(start, min(start + count, len(rows))))
+                    start = batch[-1] + 1
+                    record = rollout = StepRecord()
+                    episodes = run_episode_batch(self, session, epoch, batch, record)
+                    # Evaluations due inside this round see the same weights as their prompt
+                    # would; each logs at the env_step its prompt started at.
+                    for ep in episodes[1:]:
+                        if self._eval_due(ep.row_index):
+                            session.log(self._evaluate_now(session), ep.env_step_before)
+                    buffer += [node for ep in episodes for node in ep.nodes]
+                    epoch_end = start >= len(rows)
+                    updates = []
+                    while len(buffer) >= size or (epoch_end and buffer):
+                        nodes, buffer = buffer[:size], buffer[size:]
+                        session.update_and_push(nodes, record)
+                        updates.append((nodes, record))
+                        record = StepRecord(policy_versions=dict(record.policy_versions))
+                    # The evaluation before the next prompt runs now, with the new weights, and
+                    # shares the last update's log line (the same env_step) if there was one.
+                    upcoming = 0 if epoch_end else start
+                    extra = self._evaluate_now(session) if self._eval_due(upcoming) else {}
+                    for i, (nodes, step_record) in enumerate(updates):
+                        last = i == len(updates) - 1
+                        session.log_step(nodes, step_record, extra if last else {},
+                                         max(node.env_step for node in nodes))
+                    if extra and not updates:
+                        session.log(extra, self.env_step)
+                    roots = [r for ep in episodes for r in ep.root.rewards]
+                    bar.update(len(batch))
+                    bar.set_postfix(env_step=self.env_step,
+                                    reward=f"{sum(roots) / len(roots):.3f}",
+                                    tok_s=f"{rollout.tokens / max(rollout.generation, 1e-9):.0f}")
+                session.epoch = epoch + 1
+                if checkpoint_dir and (session.epoch % interval == 0
+                                       or session.epoch == total_epochs):
+                    session.save_checkpoint()
         session.wait_checkpoint()
         session.pull_weights()
 
