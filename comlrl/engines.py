@@ -34,7 +34,7 @@ ENGINE_ENV = {
     # glibc keeps what an update frees for the next one instead of returning it to the
     # kernel: one arena for all threads (Ray's call threads each had their own, whose heaps
     # are unmapped when empty), never trimmed, chunks up to 32 MiB (its maximum) from the heap.
-    # 76.6M update: 0.3-2 s of page-fault time per update -> ~0 (BENCHMARKS.md section 6).
+    # 76.6M update: 0.3-2 s of page-fault time per update -> ~0 (BENCHMARKS.md section 0).
     "GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=68719476736"
                       ":glibc.malloc.mmap_threshold=33554432",
 }

@@ -54,7 +54,8 @@ class Learner:
             if device == "cpu":
                 # The weights are the file mapped copy-on-write: the first AdamW step would
                 # fault them in 4 KB at a time (76.6M: first update 7.5 -> 5.8 s for a 0.13 s
-                # copy), and fresh memory is block-aligned for the checkpoint writes.
+                # copy), and fresh memory is block-aligned for the checkpoint writes (huge-page
+                # aligned in an actor, `THP_MEM_ALLOC_ENABLE`).
                 into_fresh_memory(self.model, self.model.state_dict())
             if reference_kl_coef is not None:
                 self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
