@@ -27,9 +27,11 @@ from workers.transport import LearnerEndpoint, ObjectStoreTransport
 class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any], learner_kwargs: dict[str, Any]):
-        import torch
-
+        from comlrl.engines import imports_without_gc
         from workers.actors import model_folder
+
+        with imports_without_gc():      # the engine's imports run inside one too
+            import torch
 
         # The learner starts from the RNG state of a new process, as a learner in its own
         # process does, not from the state vLLM's seeding leaves (`Learner.__init__`).

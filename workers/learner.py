@@ -25,10 +25,12 @@ class Learner:
                  advantage_mode: str = "mean", advantage_normalization: bool = True,
                  reference_kl_coef: float | None = None, device: str = "auto",
                  threads: int | None = None):
-        import torch
-        from transformers import AutoModelForCausalLM
-
+        from comlrl.engines import imports_without_gc
         from workers.actors import model_folder
+
+        with imports_without_gc():
+            import torch
+            from transformers import AutoModelForCausalLM
 
         # A learner started over for a later train() (`reinit`) begins from the global RNG
         # state a new process has here, so its run matches one in a fresh actor.
