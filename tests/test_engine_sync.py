@@ -90,7 +90,7 @@ def test_same_seed_same_samples_across_calls_and_batches(ray_session, tiny_model
 
 def test_a_bfloat16_engine_samples_near_the_float32_learner_and_follows_its_updates(
         ray_session, tiny_model):
-    """`engine_dtype="bfloat16"` (opt-in: generation 1.5-1.9x faster on CPU, BENCHMARKS.md)
+    """`engine_dtype="bfloat16"` (opt-in: generation 1.3-1.6x faster on CPU, BENCHMARKS.md)
     samples from a rounded copy of the float32 learner. How far its log-probs drift is what a
     user trades: bf16 keeps 8 mantissa bits, so per-token log-probs differ from the learner's
     (measured here on the tiny model: 0.0024 at most, 0.0044 after the update), where a float32
