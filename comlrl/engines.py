@@ -51,19 +51,23 @@ def imports_without_gc() -> Iterator[None]:
     cores the other actors are starting on. The one collection after the block frees the
     imports' own garbage (13k objects, 12 MB); frozen, the rest is skipped by later ones.
     At exit they are unfrozen, so Python's last collection frees them as usual (frozen,
-    triton's bindings reported themselves leaked)."""
+    triton's bindings reported themselves leaked). A block that imports nothing new (a warm
+    learner's `reinit`, a host's learner after its engine) neither collects nor freezes: the
+    objects alive then are a run's, such as the model about to be replaced."""
     import atexit
     import gc
+    import sys
 
-    enabled = gc.isenabled()
+    enabled, modules = gc.isenabled(), len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        gc.collect()
-        gc.freeze()
-        atexit.unregister(gc.unfreeze)          # registered once, however many blocks
-        atexit.register(gc.unfreeze)
+        if len(sys.modules) > modules:
+            gc.collect()
+            gc.freeze()
+            atexit.unregister(gc.unfreeze)          # registered once, however many blocks
+            atexit.register(gc.unfreeze)
         if enabled:
             gc.enable()
 
