@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from comlrl import magrpo
-from comlrl.fingerprints import compare_fingerprints
+from comlrl.checkpoint import verify_checksums
 from comlrl.config import RESUMABLE_FIELDS
+from comlrl.fingerprints import compare_fingerprints
 from comlrl.metrics import step_metrics
 from comlrl.rollout import Node, StepRecord, learner_group
 from comlrl.wandb_run import open_wandb_run
@@ -92,13 +93,15 @@ class Session:
         # Actor output goes to a log file per actor unless full output is asked for.
         self.logs = console.ActorLogs.for_run(args.verbose, self.checkpoint_dir)
         # Actors load the models from folders: the driver's models, saved once here (and
-        # hashed) while Ray starts, which mostly waits on its processes: ~1 s at 76.6M. A
-        # resume waits for them: it must refuse a changed model before it starts anything.
+        # hashed) while Ray starts, which mostly waits on its processes: ~1 s at 76.6M. A resume
+        # verifies its checkpoint's files meanwhile, then waits: it refuses a changed model or
+        # file before it starts anything.
         helper = ThreadPoolExecutor(2)
         self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-split-")
         self.saving = helper.submit(save_models, trainer, self.tmp.name, self.logs.full)
         meta = self.resume_meta
         if meta is not None:
+            verify_checksums(self.resume_path, meta)
             folders, self.fingerprints = self.saving.result()
             compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
                                  skip_callables=args.skip_callable_fingerprints)
@@ -366,8 +369,7 @@ class Session:
             self.pending_metrics = {}
 
     def log_step(self, nodes: list[Node], record: StepRecord, extra: dict, step: int) -> None:
-        """An update's training metrics at `step` (every `logging_steps` env_steps) plus
-        `extra`."""
+        """An update's training metrics at `step` (every `logging_steps` steps) plus `extra`."""
         logging_steps = self.trainer.args.logging_steps
         if self.last_train_log >= 0 and step - self.last_train_log < logging_steps:
             self.log(extra, step)
