@@ -243,6 +243,26 @@ def test_checkpoints_carry_the_marker_and_keep_the_metadata_fields(tmp_path):
     assert not (final / "driver_state.pt").exists()
 
 
+def test_verify_reads_files_in_parallel_and_names_the_first_changed_file_by_name(tmp_path):
+    """verify_checksums hashes the files in threads; whatever finishes first, the error
+    names the first changed file in name order, and a missing file is named before any
+    hashing starts."""
+    names = [f"agent_{a}/{f}" for a in range(3) for f in ("a.bin", "b.bin", "c.json")]
+    for i, rel in enumerate(names):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_bytes(os.urandom(1000 + 100_000 * (i % 3)))
+    meta = {"files": {rel: ck.file_digest(tmp_path / rel) for rel in names}}
+    verify_checksums(tmp_path, meta)
+    for rel in ("agent_2/a.bin", "agent_1/c.json"):   # the later name is the smaller file
+        with open(tmp_path / rel, "r+b") as f:
+            f.write(b"changed")
+    with pytest.raises(CheckpointError, match="agent_1/c.json changed since it was written"):
+        verify_checksums(tmp_path, meta)
+    (tmp_path / "agent_2" / "b.bin").unlink()
+    with pytest.raises(CheckpointError, match="is missing agent_2/b.bin"):
+        verify_checksums(tmp_path, meta)
+
+
 def test_files_are_recorded_with_xxh3_and_version_1_sha256_checkpoints_still_verify(tmp_path):
     """Format 2 records "xxh3_128:<hex>" for every file, each the hash of the file's bytes
     (computed here with xxhash itself). A format-1 checkpoint (bare sha256 digests) is still

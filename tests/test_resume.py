@@ -333,8 +333,12 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused(tiny_model, tmp_path):
         _trainer(tiny_model).train(resume_from_checkpoint=str(tmp_path))
 
 
-def test_changed_file_is_caught_by_its_checksum(straight, tmp_path):
+def test_changed_file_is_caught_by_its_checksum(straight, tiny_model, tmp_path):
+    """A resume verifies every file of its checkpoint (in parallel, while the driver saves
+    the models) and refuses a changed one before anything starts: the error names the file,
+    nothing is written into checkpoint_dir and the models' temporary folder is gone."""
     import shutil
+    import tempfile
 
     copy = tmp_path / "checkpoint-2"
     shutil.copytree(straight / "ckpt" / "checkpoint-2", copy)
@@ -343,6 +347,17 @@ def test_changed_file_is_caught_by_its_checksum(straight, tmp_path):
         f.write(b"\x00" * 8)
     with pytest.raises(ValueError, match="agent_1/model.safetensors changed since it was written"):
         verify_checksums(copy)
+    def model_folders():  # Session's temporary folders (not the shared comlrl-split-logs)
+        return {p for p in Path(tempfile.gettempdir()).glob("comlrl-split-*")
+                if p.name != "comlrl-split-logs"}
+
+    before = model_folders()
+    with pytest.raises(CheckpointError,
+                       match="agent_1/model.safetensors changed since it was written"):
+        _trainer(tiny_model).train(resume_from_checkpoint=str(copy),
+                                   checkpoint_dir=str(tmp_path / "ckpt"))
+    assert not list((tmp_path / "ckpt").glob("*checkpoint-*"))
+    assert model_folders() <= before
 
 
 def test_checkpoint_agent_folder_loads_with_from_pretrained(straight, tiny_model):
