@@ -226,6 +226,59 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
         assert torch.equal(state["exp_avg"], moments[i])
 
 
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process that map the file at `path` (/proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def test_a_learner_restores_adamw_state_into_its_own_memory_never_the_files_mapping(
+        tmp_path: Path, tiny_model):
+    """Learner.load maps optimizer.pt and copies each AdamW tensor into the optimizer's own
+    tensor of that name and shape (a warm learner's: the same memory as before the load),
+    or into fresh memory (a new learner has no state yet). Either way the restored state
+    equals the saved one bit for bit and no tensor points into the file's mapping, which
+    AdamW's in-place writes would fault and copy page by page."""
+    import torch
+
+    from workers.learner import OPTIMIZER_FILE, Learner
+
+    groups = lambda: [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
+                       "returns": [1.0, 0.0], "turn": 0}]
+    warm = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
+    warm.update(groups(), shuffle_seed=0)
+    folder = tmp_path / "agent_0"
+    warm.save(str(folder))
+    warm.saved()
+    saved = torch.load(folder / OPTIMIZER_FILE, weights_only=False)
+    warm.update(groups(), shuffle_seed=1)              # the state moves on from the save
+    before = {(i, k): v.data_ptr() for i, s in warm.optimizer.state_dict()["state"].items()
+              for k, v in s.items()}
+    fresh = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
+    assert not fresh.optimizer.state_dict()["state"]
+    for learner in (warm, fresh):
+        learner.load(str(folder))
+        state = learner.optimizer.state_dict()["state"]
+        mapped = _mapped_ranges((folder / OPTIMIZER_FILE).resolve())
+        assert state.keys() == saved["state"].keys()
+        for i, entry in state.items():
+            for k, v in entry.items():
+                assert torch.equal(v, saved["state"][i][k]), (i, k)
+                assert not any(a <= v.data_ptr() < b for a, b in mapped), (i, k)
+                if learner is warm:
+                    assert v.data_ptr() == before[(i, k)], (i, k)
+    # Both restored learners take the same next step.
+    warm.update(groups(), shuffle_seed=2)
+    fresh.update(groups(), shuffle_seed=2)
+    for (name, a), b in zip(warm.model.state_dict().items(), fresh.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 PROBE = """
 import json, os
 from comlrl.engines import ENGINE_ENV

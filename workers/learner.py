@@ -267,7 +267,8 @@ class Learner:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         check_loaded(self.model, missing, unexpected,
                      f"checkpoint {src} (agent {self.agent_index})")
-        self.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=False))
+        saved = torch.load(src / OPTIMIZER_FILE, weights_only=False, mmap=True)
+        self.optimizer.load_state_dict(_into_current(self.optimizer.state_dict(), saved))
         rng = torch.load(src / RNG_FILE, weights_only=False)
         torch.random.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -297,6 +298,25 @@ def into_fresh_memory(model: Any, weights: dict) -> None:
                 fresh = torch.empty_like(tensor)
                 fresh.copy_(weights[name])
                 tensor.data = fresh
+
+
+def _into_current(current: dict, saved: dict) -> dict:
+    """`saved`, an optimizer state dict mapped from its file (torch.load(mmap=True)), with
+    each tensor copied into the optimizer's `current` one of the same name and shape (a warm
+    learner's, whose memory is already in use: at 76.6M, 0.78 s -> s per 612 MB), else into
+    fresh memory. No tensor stays mapped: AdamW writes its state in place, and each page of
+    a private file mapping would fault and be copied on its first write."""
+    import torch
+
+    state = current.get("state", {})
+    for index, entry in saved.get("state", {}).items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                mine = state.get(index, {}).get(key)
+                same = isinstance(mine, torch.Tensor) and mine.shape == value.shape \
+                    and mine.dtype == value.dtype
+                entry[key] = mine.copy_(value) if same else value.clone()
+    return saved
 
 
 def _cpu_copy(value: Any) -> Any:
