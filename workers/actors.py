@@ -132,11 +132,12 @@ def save_models(trainer: Any, folder: str, show_progress: bool) -> tuple[list[st
 
     from workers.console import quiet_progress_bars
 
-    models = trainer._initial_models()
-    folders = [str(Path(folder) / f"agent_{i}") for i in range(len(models))]
-    with quiet_progress_bars(show_progress), ThreadPoolExecutor(len(models)) as pool:
-        list(pool.map(lambda m, f: m.save_pretrained(f, safe_serialization=True), models,
-                      folders))
+    with quiet_progress_bars(show_progress):
+        models = trainer._initial_models()     # models given by name are loaded here
+        folders = [str(Path(folder) / f"agent_{i}") for i in range(len(models))]
+        with ThreadPoolExecutor(len(models)) as pool:
+            list(pool.map(lambda m, f: m.save_pretrained(f, safe_serialization=True), models,
+                          folders))
         for tok, f in zip(trainer.tokenizers, folders):
             tok.save_pretrained(f)
     return folders, trainer.fingerprints(folders)
