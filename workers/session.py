@@ -369,7 +369,7 @@ class Session:
             self.pending_metrics = {}
 
     def log_step(self, nodes: list[Node], record: StepRecord, extra: dict, step: int) -> None:
-        """An update's training metrics at `step` (every `logging_steps` steps) plus `extra`."""
+        """An update's training metrics at env_step `step` (every `logging_steps`) plus `extra`."""
         logging_steps = self.trainer.args.logging_steps
         if self.last_train_log >= 0 and step - self.last_train_log < logging_steps:
             self.log(extra, step)
