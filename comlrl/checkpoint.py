@@ -199,7 +199,8 @@ def verify_checksums(path: str | os.PathLike, meta: dict | None = None) -> None:
             raise CheckpointError(f"checkpoint {folder} is missing {rel}; it is damaged.")
     schemes = [digest_scheme(digest, f"checkpoint {folder}: {rel}") for rel, digest in files]
     with ThreadPoolExecutor(max(1, min(4, len(files)))) as pool:
-        actual = list(pool.map(file_digest, [folder / rel for rel, _ in files], schemes))
+        actual = list(pool.map(file_digest, [folder / rel for rel, _ in files], schemes,
+                               [True] * len(files)))
     for (rel, digest), got in zip(files, actual):
         if got != digest:
             raise CheckpointError(

@@ -41,13 +41,44 @@ def digest_of(h: Any) -> str:
     return f"{DIGEST}:{h.hexdigest()}"
 
 
-def file_digest(path: Path, scheme: str = DIGEST) -> str:
-    """The file's digest as a checkpoint records it, made with `scheme`."""
+def file_digest(path: Path, scheme: str = DIGEST, direct: bool = False) -> str:
+    """The file's digest as a checkpoint records it, made with `scheme`. `direct` reads past
+    the page cache (O_DIRECT) into one small buffer, for files nobody reads next: filling the
+    cache with fresh guest memory cost 1.7 CPU-s per GB here, an O_DIRECT read 0.05. Where
+    O_DIRECT is refused (tmpfs, macOS) the file is read the ordinary way."""
     h = new_hash() if scheme == DIGEST else hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
+    if not (direct and _read_direct(path, h)):
+        h = new_hash() if scheme == DIGEST else hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
     return digest_of(h) if scheme == DIGEST else h.hexdigest()
+
+
+def _read_direct(path: Path, h: Any) -> bool:
+    """Feed the file to `h` through O_DIRECT reads; False if the filesystem refuses them."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    buffer = mmap.mmap(-1, BUFFER_BYTES)      # anonymous, so page-aligned
+    view = memoryview(buffer)
+    try:
+        while n := os.readv(fd, [view]):
+            h.update(view[:n])
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        view.release()
+        buffer.close()
+    return True
 
 
 def file_sha256(path: Path) -> str:

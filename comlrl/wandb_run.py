@@ -124,20 +124,21 @@ class WandbRun:
                 self._previous_sigterm = None
 
 
-def open_wandb_run(trainer: Any, meta: dict | None, checkpoint_dir: str | None) -> WandbRun:
+def open_wandb_run(trainer: Any, meta: dict | None, checkpoint_dir: str | None,
+                   ready: Any = None) -> WandbRun:
     """The driver's W&B run for one `train()`/`evaluate()` of `trainer`, started.
 
     A resume continues the checkpoint's run (comlrl 1.4.3 does the same when `wandb_config`
     names no id/resume), re-sends the rows the checkpoint covers that the run's files lack,
     and never sends a step the run already holds. `evaluate()` after `train()` logs into the
-    run training used."""
+    run training used. `ready()`, called once the run's files are read and before anything
+    changes, may raise to refuse the start (a resume's checks, `Session._start`)."""
     cfg = trainer.wandb_config
     identity = (meta or {}).get("wandb") or trainer.last_wandb_identity
     if isinstance(cfg, dict) and identity and "id" not in cfg and "resume" not in cfg:
         cfg = {**cfg, "id": identity["id"], "resume": "allow",
                **{k: identity[k] for k in ("project", "entity")
                   if identity.get(k) and not cfg.get(k)}}
-        trainer.wandb_config = cfg
     floor, logged, rows = -1, None, []
     if meta is not None and cfg is not None:
         run_id = cfg.get("id") or (identity or {}).get("id")
@@ -145,6 +146,9 @@ def open_wandb_run(trainer: Any, meta: dict | None, checkpoint_dir: str | None) 
         journal = read_journal(checkpoint_dir, run_id) if checkpoint_dir else -1
         floor = max(int(meta.get("last_logged_step", -1)), journal)
         rows = meta.get("wandb_rows", [])
+    if ready is not None:
+        ready()
+    trainer.wandb_config = cfg
     run_config = {"algorithm": trainer.algorithm_name, "num_agents": trainer.num_agents,
                   **{k: v for k, v in trainer.args.to_dict().items() if k != "extra"}}
     run = WandbRun(cfg, run_config, checkpoint_dir, floor, logged, rows)

@@ -279,6 +279,64 @@ def test_a_learner_restores_adamw_state_into_its_own_memory_never_the_files_mapp
         assert torch.equal(a, b), name
 
 
+def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
+        tmp_path: Path, tiny_model):
+    """Learner.resume(folder, files) restores RNG and version only while the learner's state
+    is still exactly what it saved there (or loaded from there): its weight and AdamW files
+    are not read (here they are overwritten with other bytes after the save, and the kept
+    state stays what it was). After an update, or in a new learner, or for a folder whose
+    recorded digests are not the learner's, it loads as `load` does, and then holds that
+    folder. The seed example's resume continues from the checkpoint its first train() wrote
+    (tests/test_resume.py compares that run with a straight one, bit for bit)."""
+    import shutil
+
+    import torch
+
+    from comlrl.checkpoint import file_digest
+    from workers.learner import OPTIMIZER_FILE, Learner
+
+    groups = lambda: [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
+                       "returns": [1.0, 0.0], "turn": 0}]
+    learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
+    learner.update(groups(), shuffle_seed=0)
+    folder = tmp_path / "agent_0"
+    learner.save(str(folder))
+    learner.saved()
+    files = {f"agent_0/{f.name}": file_digest(f) for f in folder.iterdir()}
+    weights = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    adam = {(i, k): v.clone() for i, s in learner.optimizer.state_dict()["state"].items()
+            for k, v in s.items()}
+    rng = torch.random.get_rng_state()
+    torch.rand(3)                                  # the RNG moves on; resume puts it back
+    good = tmp_path / "good"
+    shutil.copytree(folder, good)
+    for name in ("model.safetensors", OPTIMIZER_FILE):      # a read would now fail
+        (folder / name).write_bytes(b"\0" * 64)
+    assert learner.resume(str(folder), files) == (1, True)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    for k, v in learner.model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    shutil.rmtree(folder)
+    shutil.copytree(good, folder)
+
+    def holds_saved_state(who: Learner) -> None:
+        for k, v in who.model.state_dict().items():
+            assert torch.equal(v, weights[k]), k
+        for i, s in who.optimizer.state_dict()["state"].items():
+            for k, v in s.items():
+                assert torch.equal(v, adam[(i, k)]), (i, k)
+
+    learner.update(groups(), shuffle_seed=1)         # the state moves on from the save
+    assert learner.resume(str(folder), files) == (1, False)
+    holds_saved_state(learner)
+    assert learner.resume(str(folder), files) == (1, True)    # it holds that folder now
+    fresh = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
+    assert fresh.resume(str(folder), files) == (1, False)
+    holds_saved_state(fresh)
+    other = {**files, "agent_0/model.safetensors": "xxh3_128:" + "0" * 32}
+    assert learner.resume(str(folder), other) == (1, False)   # another checkpoint's digests
+
+
 PROBE = """
 import json, os
 from comlrl.engines import ENGINE_ENV

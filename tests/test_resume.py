@@ -333,10 +333,11 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused(tiny_model, tmp_path):
         _trainer(tiny_model).train(resume_from_checkpoint=str(tmp_path))
 
 
-def test_changed_file_is_caught_by_its_checksum(straight, tiny_model, tmp_path):
+def test_changed_file_is_caught_by_its_checksum(straight, tiny_model, tmp_path, wandb_dir):
     """A resume verifies every file of its checkpoint (in parallel, while the driver saves
-    the models) and refuses a changed one before anything starts: the error names the file,
-    nothing is written into checkpoint_dir and the models' temporary folder is gone.
+    the models and W&B reads the run's files) and refuses a changed one before anything
+    starts: the error names the file, nothing is written into checkpoint_dir, no W&B run
+    starts (W&B waits for the checks) and the models' temporary folder is gone.
     comlrl 1.4.3 (its venv, 0.43M model, 8 bytes zeroed mid-way through its one
     training_state.pt) resumed without any error: it records no file hashes (README,
     Differences)."""
@@ -357,10 +358,17 @@ def test_changed_file_is_caught_by_its_checksum(straight, tiny_model, tmp_path):
     before = model_folders()
     with pytest.raises(CheckpointError,
                        match="agent_1/model.safetensors changed since it was written"):
-        _trainer(tiny_model).train(resume_from_checkpoint=str(copy),
-                                   checkpoint_dir=str(tmp_path / "ckpt"))
+        _trainer(tiny_model, wandb_config={"project": "p"}).train(
+            resume_from_checkpoint=str(copy), checkpoint_dir=str(tmp_path / "ckpt"))
     assert not list((tmp_path / "ckpt").glob("*checkpoint-*"))
     assert model_folders() <= before
+    assert not list(wandb_dir.rglob("*run-*")), "a W&B run started before the checks"
+    # The same resume from an intact copy does start W&B there (so the check above can fail).
+    shutil.copy(straight / "ckpt" / "checkpoint-2" / "agent_1" / "model.safetensors",
+                copy / "agent_1" / "model.safetensors")
+    _trainer(tiny_model, wandb_config={"project": "p"}, config={"num_train_epochs": 3}).train(
+        resume_from_checkpoint=str(copy), checkpoint_dir=str(tmp_path / "ckpt"))
+    assert list(wandb_dir.rglob("*run-*"))
 
 
 def test_checkpoint_agent_folder_loads_with_from_pretrained(straight, tiny_model):

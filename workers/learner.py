@@ -72,6 +72,9 @@ class Learner:
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.version = 0
+        self.on_disk: tuple[int, dict] | None = None
+        """(version, {file: digest}) of the weight, AdamW and RNG files last saved or loaded,
+        while the state is still exactly theirs (`resume` then reads none of them)."""
 
     def reinit(self, agent_index: int, model_source: str | dict, **settings: Any) -> int:
         """Start over as a new learner built with these arguments would: weights and
@@ -95,6 +98,7 @@ class Learner:
         from comlrl.magrpo import compute_advantages, pad_batch, policy_loss, token_logprobs
 
         self._wait_write()
+        self.on_disk = None
         kls = self.reference_kls(groups) if self.reference is not None else None
         for i, g in enumerate(groups):
             returns = g["returns"]
@@ -228,6 +232,7 @@ class Learner:
                 (out / name).write_bytes(data)
             digests.update({name: torch_save_hashed(state, out / name)
                             for name, state in ((OPTIMIZER_FILE, optimizer), (RNG_FILE, rng))})
+            self.on_disk = (rng["version"], digests)
             self.write["files"] = {p.name: digests.get(p.name) for p in sorted(out.iterdir())}
         except BaseException as exc:  # noqa: BLE001 - raised by `saved`
             self.write["error"] = exc
@@ -252,12 +257,36 @@ class Learner:
             raise write["error"]
         return write["files"]
 
+    def resume(self, folder: str, files: dict[str, str]) -> tuple[int, bool]:
+        """`load` a checkpoint's `folder` (`files`: the checkpoint's recorded digests, already
+        verified, by path within it) unless this learner's state is still exactly what it
+        wrote there or loaded from there: then only the RNG is read. The seed example's resume
+        continues from the checkpoint its first train() just wrote (76.6M: 1.84 GB not read
+        again). Returns the version and whether the state was kept."""
+        import torch
+
+        self._wait_write()
+        prefix = f"{Path(folder).name}/"
+        recorded = {rel[len(prefix):]: d for rel, d in files.items() if rel.startswith(prefix)}
+        version, mine = self.on_disk or (None, {})
+        big = {n for n in recorded if n.endswith(".safetensors") or n in (OPTIMIZER_FILE,
+                                                                           RNG_FILE)}
+        if version != self.version or not big or any(recorded[n] != mine.get(n) for n in big):
+            self.load(folder)
+            self.on_disk = (self.version, {n: recorded[n] for n in big})
+            return self.version, False
+        rng = torch.load(Path(folder) / RNG_FILE, weights_only=False)
+        torch.random.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        return self.version, True
+
     def load(self, folder: str) -> int:
         """Restore weights, optimizer state, RNG and version from a folder written by `save`."""
         import torch
         from safetensors.torch import load_file
 
         self._wait_write()
+        self.on_disk = None
         src = Path(folder)
         state: dict[str, Any] = {}
         for f in sorted(src.glob("*.safetensors")):
@@ -276,13 +305,26 @@ class Learner:
         return self.version
 
 
+def pull_weights(learners: list, models: list) -> None:
+    """Copy the learners' (Ray actors') weights into `models`. As NumPy arrays
+    (`export_weights`), Ray stores them with one copy and hands them over without another;
+    pickled tensors took 6 s at 76.6M (BENCHMARKS.md)."""
+    from workers.launch import ray_get
+    from workers.transport import unpack_weights
+
+    states = ray_get([learner.export_weights.remote() for learner in learners], "learners")
+    for model, packed in zip(models, states):
+        # strict: every weight, nothing else; each is copied out of the store
+        into_fresh_memory(model, unpack_weights(packed, copy=False))
+
+
 def into_fresh_memory(model: Any, weights: dict) -> None:
     """Give each weight of `model` newly allocated memory, filled from `weights` (a state dict
     with the same names and shapes; anything else goes to a strict `load_state_dict`, which
     names the difference). `from_pretrained` maps the safetensors file copy-on-write, so
     writing into a loaded weight faults page by page: 0.87 s per 306 MB here, against 0.06 s
     for a fresh copy. Tied weights stay one tensor. Used on a CPU learner's weights at start
-    and on the user's models when the final weights come back (`Session.pull_weights`)."""
+    and on the user's models when the final weights come back (`pull_weights`)."""
     import torch
 
     current = model.state_dict(keep_vars=True)

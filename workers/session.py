@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -93,33 +93,38 @@ class Session:
         # Actor output goes to a log file per actor unless full output is asked for.
         self.logs = console.ActorLogs.for_run(args.verbose, self.checkpoint_dir)
         # Actors load the models from folders: the driver's models, saved once here (and
-        # hashed) while Ray starts, which mostly waits on its processes: ~1 s at 76.6M. A resume
-        # verifies its checkpoint's files meanwhile, then waits: it refuses a changed model or
-        # file before it starts anything.
-        helper = ThreadPoolExecutor(2)
+        # hashed) while Ray starts, which mostly waits on its processes: ~1 s at 76.6M; W&B
+        # starts meanwhile (about 2 s). A resume verifies its checkpoint's files meanwhile and
+        # W&B waits for the checks: a changed model or file is refused before anything starts.
+        helper, checked = ThreadPoolExecutor(2), Future()
         self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-split-")
         self.saving = helper.submit(save_models, trainer, self.tmp.name, self.logs.full)
         meta = self.resume_meta
-        if meta is not None:
-            verify_checksums(self.resume_path, meta)
-            folders, self.fingerprints = self.saving.result()
-            compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
-                                 skip_callables=args.skip_callable_fingerprints)
-            trainer.env_step = int(meta["env_step"])
-            self.epoch = int(meta["epoch"])
-            self.learner_updates = int(meta["update_index"])
-            self.last_train_log = int(meta.get("last_train_log", -1))
-            self.run_uid = meta["run_uid"]
-        elif not self.for_eval:  # evaluate() logs at the env_step training reached
-            trainer.env_step = 0
-            self.run_uid = f"{time.time_ns():x}"
-        if self.epoch > args.num_train_epochs:
-            raise ValueError(f"num_train_epochs={args.num_train_epochs} is below the "
-                             f"{self.epoch} epochs the checkpoint already completed; "
-                             f"num_train_epochs counts the whole run.")
-        # W&B starts (about 2 s) while Ray and the actors do; taken at the end of the start.
-        self.opening_wandb = helper.submit(open_wandb_run, trainer, meta, self.checkpoint_dir)
+        self.opening_wandb = helper.submit(open_wandb_run, trainer, meta, self.checkpoint_dir,
+                                           checked.result)
         helper.shutdown(wait=False)
+        try:
+            if meta is not None:
+                verify_checksums(self.resume_path, meta)
+                folders, self.fingerprints = self.saving.result()
+                compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
+                                     skip_callables=args.skip_callable_fingerprints)
+                trainer.env_step = int(meta["env_step"])
+                self.epoch = int(meta["epoch"])
+                self.learner_updates = int(meta["update_index"])
+                self.last_train_log = int(meta.get("last_train_log", -1))
+                self.run_uid = meta["run_uid"]
+            elif not self.for_eval:  # evaluate() logs at the env_step training reached
+                trainer.env_step = 0
+                self.run_uid = f"{time.time_ns():x}"
+            if self.epoch > args.num_train_epochs:
+                raise ValueError(f"num_train_epochs={args.num_train_epochs} is below the "
+                                 f"{self.epoch} epochs the checkpoint already completed; "
+                                 f"num_train_epochs counts the whole run.")
+        except BaseException as error:
+            checked.set_exception(error)
+            raise
+        checked.set_result(None)
 
         weight_bytes = sum(p.numel() * p.element_size() for m in trainer._initial_models()
                            for p in m.state_dict().values())
@@ -172,12 +177,15 @@ class Session:
         if self.transport is None:
             self.transport = connect_transport(args, plan, self.learners, self.workers)
         self.pool.attach(self.learners, self.transport)
+        kept = [False]
         if meta is not None:
-            # Restore learners, then give every engine the restored weights before any rollout.
-            self.engine_versions = ray_get(
-                [learner.load.remote(str(Path(self.resume_path) / f"agent_{a}"))
-                 for a, learner in enumerate(self.learners)], "restoring learners")
-        if meta is not None or warm is not None:
+            # Restore learners (warm ones still holding the checkpoint keep their state, and
+            # their engines its weights), then give every engine those weights.
+            self.engine_versions, kept = map(list, zip(*ray_get(
+                [learner.resume.remote(str(Path(self.resume_path) / f"agent_{a}"),
+                                       meta["files"])
+                 for a, learner in enumerate(self.learners)], "restoring learners")))
+        if (meta is not None or warm is not None) and not (warm is not None and all(kept)):
             self.push_weights()
         self.wandb = self.opening_wandb.result()
         self.wandb.catch_sigterm()
@@ -337,7 +345,8 @@ class Session:
         a worker found dead is restarted, which gives it these same weights."""
         from workers.launch import ray_get
 
-        self.wake_engines()
+        if self.trainer.args.enable_sleep_mode:      # engines wake (`sleep_engines`)
+            self.pool.call_every_worker("wake")
         versions = ray_get([l.get_version.remote() for l in self.learners], "learners")
         self.pool.push(versions)
         self.engine_versions = list(versions)
@@ -348,11 +357,6 @@ class Session:
         unless `enable_sleep_mode`. Engines wake in `push_weights` or on their next call."""
         if self.trainer.args.enable_sleep_mode:
             self.pool.call_every_worker("sleep")
-
-    def wake_engines(self) -> None:
-        """Wake every engine (no-op unless `enable_sleep_mode`)."""
-        if self.trainer.args.enable_sleep_mode:
-            self.pool.call_every_worker("wake")
 
     def _on_worker_restart(self, message: str) -> None:
         import warnings
@@ -437,14 +441,7 @@ class Session:
         return path
 
     def pull_weights(self) -> None:
-        """Copy the learners' final weights into the trainer's agents (for save_model). As
-        NumPy arrays (`export_weights`), Ray stores them with one copy and hands them over
-        without another; pickled tensors took 6 s at 76.6M (BENCHMARKS.md)."""
-        from workers.launch import ray_get
-        from workers.learner import into_fresh_memory
-        from workers.transport import unpack_weights
+        """Copy the learners' final weights into the trainer's agents (for save_model)."""
+        from workers.learner import pull_weights
 
-        states = ray_get([l.export_weights.remote() for l in self.learners], "learners")
-        for model, packed in zip(self.trainer._initial_models(), states):
-            # strict: every weight, nothing else; each is copied out of the store
-            into_fresh_memory(model, unpack_weights(packed, copy=False))
+        pull_weights(self.learners, self.trainer._initial_models())
