@@ -184,11 +184,13 @@ def read_checkpoint_metadata(path: str | os.PathLike) -> dict:
     return meta
 
 
-def verify_checksums(path: str | os.PathLike, meta: dict | None = None) -> None:
+def verify_checksums(path: str | os.PathLike, meta: dict | None = None,
+                     direct: bool = False) -> None:
     """Raise CheckpointError naming the first file (by name) whose bytes differ from the
     recorded hash. Files are read in parallel: a checkpoint just written with O_DIRECT is not
     in the page cache, and one reader waits on the disk; four read 1.84 GB in 1.7-1.8 s
-    where one took 3.0-3.2 s (76.6M, just after the run wrote it; BENCHMARKS.md)."""
+    where one took 3.0-3.2 s (76.6M, just after the run wrote it; BENCHMARKS.md). `direct`
+    reads past the page cache (`file_digest`), for files the learners will not read next."""
     from concurrent.futures import ThreadPoolExecutor
 
     folder = Path(path)
@@ -200,7 +202,7 @@ def verify_checksums(path: str | os.PathLike, meta: dict | None = None) -> None:
     schemes = [digest_scheme(digest, f"checkpoint {folder}: {rel}") for rel, digest in files]
     with ThreadPoolExecutor(max(1, min(4, len(files)))) as pool:
         actual = list(pool.map(file_digest, [folder / rel for rel, _ in files], schemes,
-                               [True] * len(files)))
+                               [direct] * len(files)))
     for (rel, digest), got in zip(files, actual):
         if got != digest:
             raise CheckpointError(

@@ -282,7 +282,8 @@ def test_a_learner_restores_adamw_state_into_its_own_memory_never_the_files_mapp
 def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
         tmp_path: Path, tiny_model):
     """Learner.resume(folder, files) restores RNG and version only while the learner's state
-    is still exactly what it saved there (or loaded from there): its weight and AdamW files
+    is still exactly what it saved there (or loaded from there; `holds`, which the driver
+    also asks to choose how to verify the checkpoint): its weight and AdamW files
     are not read (here they are overwritten with other bytes after the save, and the kept
     state stays what it was). After an update, or in a new learner, or for a folder whose
     recorded digests are not the learner's, it loads as `load` does, and then holds that
@@ -312,6 +313,7 @@ def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
     shutil.copytree(folder, good)
     for name in ("model.safetensors", OPTIMIZER_FILE):      # a read would now fail
         (folder / name).write_bytes(b"\0" * 64)
+    assert learner.holds("agent_0", files) and not learner.holds("agent_1", files)
     assert learner.resume(str(folder), files) == (1, True)
     assert torch.equal(torch.random.get_rng_state(), rng)
     for k, v in learner.model.state_dict().items():
@@ -327,6 +329,7 @@ def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
                 assert torch.equal(v, adam[(i, k)]), (i, k)
 
     learner.update(groups(), shuffle_seed=1)         # the state moves on from the save
+    assert not learner.holds("agent_0", files)
     assert learner.resume(str(folder), files) == (1, False)
     holds_saved_state(learner)
     assert learner.resume(str(folder), files) == (1, True)    # it holds that folder now

@@ -288,11 +288,13 @@ def _cached_pages(path: Path) -> tuple[int, int]:
 
 def test_verify_reads_past_the_page_cache_and_reads_ordinarily_where_o_direct_is_refused(
         tmp_path):
-    """verify_checksums reads with O_DIRECT: files out of the page cache stay out of it
-    (mincore), where an ordinary read fills it (each page fresh guest memory: 1.7 CPU-s per
-    GB here, BENCHMARKS.md). Sizes that are not whole blocks, and files larger than the
-    read buffer, hash as xxhash hashes their bytes. On tmpfs, which refuses O_DIRECT, the
-    same files verify through ordinary reads, and a changed byte is still caught."""
+    """verify_checksums(direct=True) (a resume whose warm learners hold the checkpoint and
+    read none of it) reads with O_DIRECT: files out of the page cache stay out of it
+    (mincore), where the ordinary read (the default: the learners read the files next) fills
+    it, each page fresh guest memory (1.7 CPU-s per GB here, BENCHMARKS.md). Sizes that are
+    not whole blocks, and files larger than the read buffer, hash as xxhash hashes their
+    bytes. On tmpfs, which refuses O_DIRECT, the same files verify through ordinary reads,
+    and a changed byte is still caught."""
     import tempfile
 
     sizes = {"agent_0/a.bin": 3 * 4096 + 123, "agent_0/b.bin": (20 << 20) + 7,
@@ -311,17 +313,17 @@ def test_verify_reads_past_the_page_cache_and_reads_ordinarily_where_o_direct_is
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     big = tmp_path / "agent_0" / "b.bin"
     assert _cached_pages(big)[0] == 0, "the page cache kept the file; nothing to measure"
-    verify_checksums(tmp_path, meta)
+    verify_checksums(tmp_path, meta, direct=True)
     assert all(_cached_pages(tmp_path / rel)[0] == 0 for rel in sizes)
-    assert ck.file_digest(big) == meta["files"]["agent_0/b.bin"]     # an ordinary read
+    verify_checksums(tmp_path, meta)
     cached, pages = _cached_pages(big)
     assert cached == pages
-    verify_checksums(shm.name, meta)
+    verify_checksums(shm.name, meta, direct=True)
     with open(Path(shm.name) / "agent_0" / "b.bin", "r+b") as f:
         f.seek(12 << 20)
         f.write(b"x")
     with pytest.raises(CheckpointError, match="agent_0/b.bin changed since it was written"):
-        verify_checksums(shm.name, meta)
+        verify_checksums(shm.name, meta, direct=True)
     shm.cleanup()
 
 

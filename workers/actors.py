@@ -105,6 +105,22 @@ def take_warm(key: str) -> Actors | None:
     return None
 
 
+def warm_learners_hold(files: dict[str, str]) -> bool:
+    """Whether every parked learner still holds exactly its folder of the checkpoint whose
+    recorded digests are `files` (`Learner.holds`): its resume then reads none of them, so
+    the driver's verify reads them past the page cache (`verify_checksums`)."""
+    import ray
+
+    actors = _WARM.get("actors")
+    if actors is None:
+        return False
+    try:
+        return all(ray.get([learner.holds.remote(f"agent_{a}", files)
+                            for a, learner in enumerate(actors.learners)], timeout=60))
+    except Exception:  # noqa: BLE001 - a parked learner that died: take_warm drops them
+        return False
+
+
 def drop_warm() -> None:
     """Kill any parked actors (a start that cannot use them needs their resources)."""
     actors = _WARM.pop("actors", None)

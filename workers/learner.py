@@ -265,20 +265,23 @@ class Learner:
         again). Returns the version and whether the state was kept."""
         import torch
 
-        self._wait_write()
-        prefix = f"{Path(folder).name}/"
-        recorded = {rel[len(prefix):]: d for rel, d in files.items() if rel.startswith(prefix)}
-        version, mine = self.on_disk or (None, {})
-        big = {n for n in recorded if n.endswith(".safetensors") or n in (OPTIMIZER_FILE,
-                                                                           RNG_FILE)}
-        if version != self.version or not big or any(recorded[n] != mine.get(n) for n in big):
+        if not self.holds(Path(folder).name, files):
             self.load(folder)
-            self.on_disk = (self.version, {n: recorded[n] for n in big})
+            self.on_disk = (self.version, _state_files(Path(folder).name, files))
             return self.version, False
         rng = torch.load(Path(folder) / RNG_FILE, weights_only=False)
         torch.random.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         return self.version, True
+
+    def holds(self, name: str, files: dict[str, str]) -> bool:
+        """Whether the state is still exactly that of the weight, AdamW and RNG files under
+        `name`/ in `files` (a checkpoint's recorded digests by path): written or loaded
+        from there, with no update since."""
+        self._wait_write()
+        recorded = _state_files(name, files)
+        version, mine = self.on_disk or (None, {})
+        return version == self.version and bool(recorded) and mine.items() >= recorded.items()
 
     def load(self, folder: str) -> int:
         """Restore weights, optimizer state, RNG and version from a folder written by `save`."""
@@ -303,6 +306,14 @@ class Learner:
         random.setstate(rng["python"])
         self.version = int(rng["version"])
         return self.version
+
+
+def _state_files(name: str, files: dict[str, str]) -> dict[str, str]:
+    """{file: digest} of the weight, AdamW and RNG files under `name`/ in `files`."""
+    prefix = f"{name}/"
+    return {rel[len(prefix):]: digest for rel, digest in files.items()
+            if rel.startswith(prefix) and (rel.endswith(".safetensors") or rel[len(prefix):]
+                                           in (OPTIMIZER_FILE, RNG_FILE))}
 
 
 def pull_weights(learners: list, models: list) -> None:

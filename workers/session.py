@@ -83,7 +83,7 @@ class Session:
 
         from workers.actors import (
             actor_needs, actor_settings, connect_transport, drop_warm, reinit_learners,
-            save_models, start_actors, take_warm, use_folders, warm_key,
+            save_models, start_actors, take_warm, use_folders, warm_key, warm_learners_hold,
         )
         from workers.launch import (
             check_resources, colocate_here, ensure_ray, kill_actors, plan_placement, ray_get,
@@ -105,7 +105,7 @@ class Session:
         helper.shutdown(wait=False)
         try:
             if meta is not None:
-                verify_checksums(self.resume_path, meta)
+                verify_checksums(self.resume_path, meta, warm_learners_hold(meta["files"]))
                 folders, self.fingerprints = self.saving.result()
                 compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
                                      skip_callables=args.skip_callable_fingerprints)
