@@ -195,9 +195,7 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
     from workers.learner import OPTIMIZER_FILE, RNG_FILE, Learner
 
     learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
-    groups = lambda: [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
-                       "returns": [1.0, 0.0], "turn": 0}]
-    learner.update(groups(), shuffle_seed=0)          # AdamW state exists from here on
+    learner.update(_groups(), shuffle_seed=0)          # AdamW state exists from here on
     at_save = {k: v.clone() for k, v in learner.model.state_dict().items()}
     moments = {i: s["exp_avg"].clone() for i, s in learner.optimizer.state_dict()["state"].items()}
     original = learner.model.save_pretrained
@@ -208,7 +206,7 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
 
     learner.model.save_pretrained = held
     learner.save(str(tmp_path / "agent_0"))
-    learner.update(groups(), shuffle_seed=1)          # sent while the write is held
+    learner.update(_groups(), shuffle_seed=1)          # sent while the write is held
     files = learner.saved()
     # The files hashed while written report their digests (the commit records them unread).
     folder = tmp_path / "agent_0"
@@ -237,6 +235,22 @@ def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
+def _groups() -> list[dict]:
+    return [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
+             "returns": [1.0, 0.0], "turn": 0}]
+
+
+def _saved_learner(tiny_model, folder: Path):
+    """A learner after one update, its state saved into `folder` (as a checkpoint's agent)."""
+    from workers.learner import Learner
+
+    learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
+    learner.update(_groups(), shuffle_seed=0)
+    learner.save(str(folder))
+    learner.saved()
+    return learner
+
+
 def test_a_learner_restores_adamw_state_into_its_own_memory_never_the_files_mapping(
         tmp_path: Path, tiny_model):
     """Learner.load maps optimizer.pt and copies each AdamW tensor into the optimizer's own
@@ -248,15 +262,10 @@ def test_a_learner_restores_adamw_state_into_its_own_memory_never_the_files_mapp
 
     from workers.learner import OPTIMIZER_FILE, Learner
 
-    groups = lambda: [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
-                       "returns": [1.0, 0.0], "turn": 0}]
-    warm = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
-    warm.update(groups(), shuffle_seed=0)
     folder = tmp_path / "agent_0"
-    warm.save(str(folder))
-    warm.saved()
+    warm = _saved_learner(tiny_model, folder)
     saved = torch.load(folder / OPTIMIZER_FILE, weights_only=False)
-    warm.update(groups(), shuffle_seed=1)              # the state moves on from the save
+    warm.update(_groups(), shuffle_seed=1)              # the state moves on from the save
     before = {(i, k): v.data_ptr() for i, s in warm.optimizer.state_dict()["state"].items()
               for k, v in s.items()}
     fresh = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
@@ -273,8 +282,8 @@ def test_a_learner_restores_adamw_state_into_its_own_memory_never_the_files_mapp
                 if learner is warm:
                     assert v.data_ptr() == before[(i, k)], (i, k)
     # Both restored learners take the same next step.
-    warm.update(groups(), shuffle_seed=2)
-    fresh.update(groups(), shuffle_seed=2)
+    warm.update(_groups(), shuffle_seed=2)
+    fresh.update(_groups(), shuffle_seed=2)
     for (name, a), b in zip(warm.model.state_dict().items(), fresh.model.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -296,13 +305,8 @@ def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
     from comlrl.checkpoint import file_digest
     from workers.learner import OPTIMIZER_FILE, Learner
 
-    groups = lambda: [{"prompt_ids": [5, 6, 7], "completions": [[8, 9, 3], [10, 11]],
-                       "returns": [1.0, 0.0], "turn": 0}]
-    learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
-    learner.update(groups(), shuffle_seed=0)
     folder = tmp_path / "agent_0"
-    learner.save(str(folder))
-    learner.saved()
+    learner = _saved_learner(tiny_model, folder)
     files = {f"agent_0/{f.name}": file_digest(f) for f in folder.iterdir()}
     weights = {k: v.clone() for k, v in learner.model.state_dict().items()}
     adam = {(i, k): v.clone() for i, s in learner.optimizer.state_dict()["state"].items()
@@ -328,7 +332,7 @@ def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
             for k, v in s.items():
                 assert torch.equal(v, adam[(i, k)]), (i, k)
 
-    learner.update(groups(), shuffle_seed=1)         # the state moves on from the save
+    learner.update(_groups(), shuffle_seed=1)         # the state moves on from the save
     assert not learner.holds("agent_0", files)
     assert learner.resume(str(folder), files) == (1, False)
     holds_saved_state(learner)
