@@ -36,7 +36,7 @@ class Session:
         self.for_eval = for_eval
         self.epoch = 0                      # completed epochs
         self.learner_updates = 0            # updates every learner has taken in this run
-        self.engine_versions = [0] * trainer.num_agents   # weight version each agent's engines hold
+        self.engine_versions = [0] * trainer.num_agents  # weight version each agent's engines hold
         self.last_train_log = -1            # env_step of the last training point sent
         self.pending_metrics: dict = {}     # events (e.g. restarts) riding with the next point
         self.run_uid: str | None = None
@@ -181,10 +181,11 @@ class Session:
         if meta is not None:
             # Restore learners (warm ones still holding the checkpoint keep their state, and
             # their engines its weights), then give every engine those weights.
-            self.engine_versions, kept = map(list, zip(*ray_get(
-                [learner.resume.remote(str(Path(self.resume_path) / f"agent_{a}"),
-                                       meta["files"])
-                 for a, learner in enumerate(self.learners)], "restoring learners")))
+            restored = ray_get([learner.resume.remote(str(Path(self.resume_path) / f"agent_{a}"),
+                                                      meta["files"])
+                                for a, learner in enumerate(self.learners)], "restoring learners")
+            self.engine_versions = [version for version, _ in restored]
+            kept = [keeps for _, keeps in restored]
         if (meta is not None or warm is not None) and not (warm is not None and all(kept)):
             self.push_weights()
         self.wandb = self.opening_wandb.result()
