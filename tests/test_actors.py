@@ -183,11 +183,9 @@ def test_a_packed_model_is_written_out_for_loading_and_removed_even_when_loading
 def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows_at_once(
         tmp_path: Path, tiny_model):
     """On the CPU a learner's checkpoint write reads the live weights and AdamW state (no
-    copy on the driver's path): the next update's optimizer step must wait for it, while its
-    forward and backward run meanwhile. The write is held 1 s here, and an update sent
-    meanwhile computes its forward during the write and still leaves the files with the
-    state of the save. Weights, optimizer and RNG files are hashed while written: their
-    digests are the files'."""
+    copy on the driver's path): the next update must wait for it. The write is held 1 s
+    here, and an update sent meanwhile still leaves the files with the state of the save.
+    Weights, optimizer and RNG files are hashed while written: their digests are the files'."""
     import time
 
     import torch
@@ -207,12 +205,8 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
         return original(*args, **kwargs)
 
     learner.model.save_pretrained = held
-    during_write = []
-    learner.model.register_forward_pre_hook(
-        lambda *_: during_write.append(learner.write["thread"].is_alive()))
     learner.save(str(tmp_path / "agent_0"))
     learner.update(_groups(), shuffle_seed=1)          # sent while the write is held
-    assert during_write == [True]
     files = learner.saved()
     # The files hashed while written report their digests (the commit records them unread).
     folder = tmp_path / "agent_0"

@@ -97,6 +97,8 @@ class Learner:
 
         from comlrl.magrpo import compute_advantages, pad_batch, policy_loss, token_logprobs
 
+        self._wait_write()
+        self.on_disk = None
         kls = self.reference_kls(groups) if self.reference is not None else None
         for i, g in enumerate(groups):
             returns = g["returns"]
@@ -133,11 +135,6 @@ class Learner:
                     f"agent_learning_rate or check the rewards."
                 )
             loss.backward()
-            # A checkpoint write `save` started may still be reading the weights and AdamW
-            # state; only the step changes them, so the forward and backward ran meanwhile
-            # (76.6M: the write of 920 MB outlasted the next generation by ~0.25 s).
-            self._wait_write()
-            self.on_disk = None
             self.optimizer.step()
             losses.append(float(loss.detach()))
             tokens += int(target.sum().item())
