@@ -43,42 +43,50 @@ def digest_of(h: Any) -> str:
 
 def file_digest(path: Path, scheme: str = DIGEST, direct: bool = False) -> str:
     """The file's digest as a checkpoint records it, made with `scheme`. `direct` reads past
-    the page cache (O_DIRECT) into one small buffer, for files nobody reads next: filling the
-    cache with fresh guest memory cost 1.7 CPU-s per GB here, an O_DIRECT read 0.05. Where
-    O_DIRECT is refused (tmpfs, macOS) the file is read the ordinary way."""
+    the page cache (O_DIRECT), for files nobody reads next: filling the cache with fresh
+    guest memory cost 1.7 CPU-s per GB here, an O_DIRECT read 0.05. Where O_DIRECT is
+    refused (tmpfs, macOS) the file is read the ordinary way."""
     h = new_hash() if scheme == DIGEST else hashlib.sha256()
-    if not (direct and _read_direct(path, h)):
-        h = new_hash() if scheme == DIGEST else hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return digest_of(h) if scheme == DIGEST else h.hexdigest()
-
-
-def _read_direct(path: Path, h: Any) -> bool:
-    """Feed the file to `h` through O_DIRECT reads; False if the filesystem refuses them."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
+    fd, direct = _open_direct(path, os.O_RDONLY, direct)
     buffer = mmap.mmap(-1, BUFFER_BYTES)      # anonymous, so page-aligned
     view = memoryview(buffer)
     try:
-        while n := os.readv(fd, [view]):
+        while True:
+            try:
+                n = os.readv(fd, [view])
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                direct = _drop_direct(fd)      # refused at the first read: nothing was read
+                continue
+            if not n:
+                break
             h.update(view[:n])
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
     finally:
         os.close(fd)
         view.release()
         buffer.close()
-    return True
+    return digest_of(h) if scheme == DIGEST else h.hexdigest()
+
+
+def _open_direct(path: str | os.PathLike, flags: int, direct: bool = True) -> tuple[int, bool]:
+    """`os.open(path, flags)`, with O_DIRECT if `direct` and the filesystem takes it;
+    returns the descriptor and whether it is direct."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise                         # EINVAL: a filesystem that refuses O_DIRECT
+    return os.open(path, flags, 0o644), False
+
+
+def _drop_direct(fd: int) -> bool:
+    """Clear O_DIRECT on `fd` (a filesystem that refused a direct read or write); False."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    return False
 
 
 def file_sha256(path: Path) -> str:
@@ -100,15 +108,7 @@ class HashedWriter:
     removes what it was writing into)."""
 
     def __init__(self, path: str | os.PathLike, direct: bool = True):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.direct = direct and hasattr(os, "O_DIRECT")
-        try:
-            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
-        except OSError as exc:
-            if not self.direct or exc.errno != errno.EINVAL:
-                raise
-            self.direct = False               # a filesystem that refuses O_DIRECT at open
-            self.fd = os.open(path, flags, 0o644)
+        self.fd, self.direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
         self.buffer = mmap.mmap(-1, BUFFER_BYTES)   # anonymous, so page-aligned
         self.view = memoryview(self.buffer)
         self.fill = 0
@@ -160,7 +160,7 @@ class HashedWriter:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._drop_direct()           # the rest goes through the buffer
+                self.direct = _drop_direct(self.fd)  # the rest goes through the buffer
         return pos
 
     def _flush(self, length: int) -> None:
@@ -171,14 +171,8 @@ class HashedWriter:
             except OSError as exc:
                 if not self.direct or exc.errno != errno.EINVAL:
                     raise                     # e.g. ENOSPC: the caller's error to explain
-                self._drop_direct()           # refused only at the first write
+                self.direct = _drop_direct(self.fd)  # refused only at the first write
         self.fill = 0
-
-    def _drop_direct(self) -> None:
-        import fcntl
-
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        self.direct = False
 
     def __enter__(self) -> "HashedWriter":
         return self

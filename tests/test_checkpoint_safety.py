@@ -621,6 +621,31 @@ def test_a_hashed_write_goes_on_without_o_direct_when_the_first_write_refuses_it
     assert (tmp_path / "f").read_bytes() == data and f.digest == ck.file_digest(tmp_path / "f")
 
 
+def test_a_direct_read_goes_on_without_o_direct_when_the_first_read_refuses_it(tmp_path,
+                                                                                monkeypatch):
+    """The reader's twin of the test above: a filesystem that accepts O_DIRECT at open and
+    refuses it at the first read gets the flag dropped, and the file hashes as before."""
+    import errno
+    import fcntl
+
+    from comlrl import checkpoint_write as cw
+
+    data = os.urandom(cw.BUFFER_BYTES + 10)
+    (tmp_path / "f").write_bytes(data)
+    want = ck.file_digest(tmp_path / "f")
+    real_readv, calls = os.readv, []
+
+    def refuse_once(fd, buffers):
+        calls.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(cw.os, "readv", refuse_once)
+    assert ck.file_digest(tmp_path / "f", direct=True) == want
+    assert calls == [True, False, False, False]     # refused, then two reads and the end
+
+
 def test_torch_save_hashed_writes_what_torch_load_reads(tmp_path):
     """The optimizer file goes through the writer: it is an ordinary torch file."""
     import torch
