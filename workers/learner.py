@@ -263,15 +263,11 @@ class Learner:
         wrote there or loaded from there: then only the RNG is read. The seed example's resume
         continues from the checkpoint its first train() just wrote (76.6M: 1.84 GB not read
         again). Returns the version and whether the state was kept."""
-        import torch
-
         if not self.holds(Path(folder).name, files):
             self.load(folder)
             self.on_disk = (self.version, _state_files(Path(folder).name, files))
             return self.version, False
-        rng = torch.load(Path(folder) / RNG_FILE, weights_only=False)
-        torch.random.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
+        self._load_rng(Path(folder))
         return self.version, True
 
     def holds(self, name: str, files: dict[str, str]) -> bool:
@@ -301,19 +297,26 @@ class Learner:
                      f"checkpoint {src} (agent {self.agent_index})")
         saved = torch.load(src / OPTIMIZER_FILE, weights_only=False, mmap=True)
         self.optimizer.load_state_dict(_into_current(self.optimizer.state_dict(), saved))
-        rng = torch.load(src / RNG_FILE, weights_only=False)
+        self.version = self._load_rng(src)
+        return self.version
+
+    @staticmethod
+    def _load_rng(folder: Path) -> int:
+        """Set torch's and Python's RNG state from the folder's RNG file; its version."""
+        import torch
+
+        rng = torch.load(folder / RNG_FILE, weights_only=False)
         torch.random.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
-        self.version = int(rng["version"])
-        return self.version
+        return int(rng["version"])
 
 
 def _state_files(name: str, files: dict[str, str]) -> dict[str, str]:
     """{file: digest} of the weight, AdamW and RNG files under `name`/ in `files`."""
     prefix = f"{name}/"
-    return {rel[len(prefix):]: digest for rel, digest in files.items()
-            if rel.startswith(prefix) and (rel.endswith(".safetensors") or rel[len(prefix):]
-                                           in (OPTIMIZER_FILE, RNG_FILE))}
+    mine = {rel[len(prefix):]: digest for rel, digest in files.items() if rel.startswith(prefix)}
+    return {file: digest for file, digest in mine.items()
+            if file.endswith(".safetensors") or file in (OPTIMIZER_FILE, RNG_FILE)}
 
 
 def pull_weights(learners: list, models: list) -> None:

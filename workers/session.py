@@ -177,7 +177,7 @@ class Session:
         if self.transport is None:
             self.transport = connect_transport(args, plan, self.learners, self.workers)
         self.pool.attach(self.learners, self.transport)
-        kept = [False]
+        kept = False                    # every warm learner kept the checkpoint's state
         if meta is not None:
             # Restore learners (warm ones still holding the checkpoint keep their state, and
             # their engines its weights), then give every engine those weights.
@@ -185,8 +185,8 @@ class Session:
                                                       meta["files"])
                                 for a, learner in enumerate(self.learners)], "restoring learners")
             self.engine_versions = [version for version, _ in restored]
-            kept = [keeps for _, keeps in restored]
-        if (meta is not None or warm is not None) and not (warm is not None and all(kept)):
+            kept = warm is not None and all(keeps for _, keeps in restored)
+        if (meta is not None or warm is not None) and not kept:
             self.push_weights()
         self.wandb = self.opening_wandb.result()
         self.wandb.catch_sigterm()
