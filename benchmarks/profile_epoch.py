@@ -8,6 +8,12 @@ replies give the time spent inside the engines (generate, vLLM reload), so what 
 each wait is Ray and transfer overhead. Steady epochs (2..N) are reported, medians.
 
     python benchmarks/profile_epoch.py [--short] [--size 10M] [--epochs 4] [--no-checkpoint]
+                                       [--checkpoint-interval 1]
+
+With `--checkpoint-interval 3` (12 epochs or more) one run also measures what a checkpoint
+costs: the epoch that ends with it (the save) and the one after (its write runs there),
+against the clean epochs between them, in the same run. Pairs of whole runs with and
+without checkpoints differ by as much as a checkpoint costs on these VMs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ EPOCHS: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 EPOCH_START: dict[int, float] = {}
 STARTUP: dict[str, float] = defaultdict(float)
 MARKS: dict[str, float] = {}
+EPOCH_CPU: dict[int, dict[str, float]] = {}    # CPU s by process at each epoch's start
 
 
 def add(key: str, seconds: float) -> None:
@@ -131,6 +138,7 @@ def install_timers() -> None:
         if STATE["epoch"] != epoch:
             STATE["epoch"] = epoch
             EPOCH_START.setdefault(epoch, time.perf_counter())
+            EPOCH_CPU.setdefault(epoch, cpu_by_process())
 
     timed(trainer_mod, "run_episode_batch", "rollout (driver total)", before=on_rollout)
     timed(magrpo, "call_reward", "reward_func")
@@ -150,6 +158,7 @@ def install_timers() -> None:
 
     def exit_(self, *exc):
         MARKS["loop_end"] = time.perf_counter()
+        MARKS["cpu_at_loop_end"] = cpu_by_process()
         STATE["epoch"] = -2
         t = time.perf_counter()
         try:
@@ -162,7 +171,8 @@ def install_timers() -> None:
 
 def cpu_by_process() -> dict[str, float]:
     """CPU seconds so far of this process ("driver") and each process it started, summed by
-    kind: Ray actors by class ("ray::Learner"), other programs by file name."""
+    kind: Ray actors by class ("ray::Learner", whichever method it runs now), other programs
+    by file name."""
     tick = os.sysconf("SC_CLK_TCK")
     procs = bl.ForeignCPU._read()
     out: dict[str, float] = {}
@@ -173,14 +183,14 @@ def cpu_by_process() -> dict[str, float]:
             continue
         words = [w.decode(errors="replace") for w in argv if w]
         name = "driver" if pid == os.getpid() else next(
-            (w.split()[0] for w in words if w.startswith("ray::")),
+            (w.split()[0].split(".")[0] for w in words if w.startswith("ray::")),
             next((Path(w).name for w in words[1:] if w.endswith(".py")),
                  Path(words[0]).name if words else "?"))
         out[name] = out.get(name, 0.0) + procs[pid][1] / tick
     return out
 
 
-def run(size: str, epochs: int, checkpoint: bool) -> dict:
+def run(size: str, epochs: int, checkpoint: bool, interval: int = 1) -> dict:
     install_timers()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -205,16 +215,19 @@ def run(size: str, epochs: int, checkpoint: bool) -> dict:
         cpu0 = cpu_by_process()
         t0 = time.perf_counter()
         if checkpoint:
-            trainer.train(checkpoint_dir=str(Path(tmp) / "ckpt"), checkpoint_interval=1,
+            trainer.train(checkpoint_dir=str(Path(tmp) / "ckpt"), checkpoint_interval=interval,
                           checkpoint_total_limit=1)
         else:
             trainer.train()
         total = time.perf_counter() - t0
     starts = [EPOCH_START[e] for e in sorted(EPOCH_START)] + [MARKS["loop_end"]]
     walls = {e: b - a for e, a, b in zip(sorted(EPOCH_START), starts, starts[1:])}
-    return {"size": size, "epochs": epochs, "checkpoint": checkpoint, "train_s": total,
-            "startup_s": starts[0] - t0, "teardown_s": MARKS["teardown_s"],
-            "startup": dict(STARTUP), "epoch_wall_s": walls,
+    cpus = [EPOCH_CPU[e] for e in sorted(EPOCH_CPU)] + [MARKS["cpu_at_loop_end"]]
+    epoch_cpu = {e: {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b}
+                 for e, a, b in zip(sorted(EPOCH_CPU), cpus, cpus[1:])}
+    return {"size": size, "epochs": epochs, "checkpoint": checkpoint, "interval": interval,
+            "train_s": total, "startup_s": starts[0] - t0, "teardown_s": MARKS["teardown_s"],
+            "startup": dict(STARTUP), "epoch_wall_s": walls, "epoch_cpu_s": epoch_cpu,
             "startup_cpu_s": {k: v - cpu0.get(k, 0.0)
                               for k, v in MARKS["cpu_at_first_rollout"].items()},
             "per_epoch": {e: dict(v) for e, v in EPOCHS.items() if e >= 0}}
@@ -273,6 +286,38 @@ def summarise(res: dict) -> tuple[list[list], list[list]]:
     return rows, start_rows
 
 
+def checkpoint_cost_rows(res: dict) -> list[list]:
+    """With a checkpoint every `interval` (>= 3) epochs: the epochs that end with one (its
+    save), those right after (its write), and the clean ones, medians over the run's steady
+    epochs; the cost of one checkpoint against a clean epoch, and each process's CPU in them
+    (the cores are shared, so CPU spent anywhere can slow the epoch)."""
+    interval, walls, cpu = res["interval"], res["epoch_wall_s"], res["epoch_cpu_s"]
+    steady = sorted(walls)[1:-1]              # not the warm-up nor the last (final waits)
+    kinds = {"clean": [e for e in steady if e % interval and (e + 1) % interval],
+             "ends with a checkpoint": [e for e in steady if (e + 1) % interval == 0],
+             "right after a checkpoint": [e for e in steady if e % interval == 0]}
+
+    def medians(value) -> dict[str, float]:
+        return {k: bl.median([value(e) for e in es]) if es else float("nan")
+                for k, es in kinds.items()}
+
+    def cost(m: dict[str, float]) -> float:
+        return m["ends with a checkpoint"] + m["right after a checkpoint"] - 2 * m["clean"]
+
+    med = medians(lambda e: walls[e])
+    rows = [[k, len(es), med[k], " ".join(f"{walls[e]:.2f}" for e in es)]
+            for k, es in kinds.items()]
+    rows.append(["one checkpoint (both, less two clean)", "", cost(med),
+                 f"{100 * cost(med) / med['clean']:+.1f}% of a clean epoch"])
+    for name in sorted({n for e in steady for n in cpu[e]}):
+        m = medians(lambda e: cpu[e].get(name, 0.0))
+        if max(m.values()) >= 0.005:
+            rows.append([f"  CPU s of {name}", "", m["clean"],
+                         f"ends with {m['ends with a checkpoint']:.3f}, right after "
+                         f"{m['right after a checkpoint']:.3f}: {cost(m):+.3f} per checkpoint"])
+    return rows
+
+
 def cpu_rows(res: dict) -> list[list]:
     """CPU seconds each kind of process spent from train() start to the first rollout."""
     cpu = sorted(res["startup_cpu_s"].items(), key=lambda kv: -kv[1])
@@ -283,6 +328,13 @@ def cpu_rows(res: dict) -> list[list]:
     return rows
 
 
+def ckpt_words(res: dict) -> str:
+    if not res["checkpoint"]:
+        return "no checkpoints"
+    return "checkpoint every epoch" if res["interval"] == 1 else \
+        f"a checkpoint every {res['interval']} epochs"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--short", action="store_true", help="0.43M, 2 epochs")
@@ -290,21 +342,28 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--no-checkpoint", action="store_true",
                    help="do not checkpoint (the seed example checkpoints every epoch)")
+    p.add_argument("--checkpoint-interval", type=int, default=1,
+                   help="a checkpoint every N epochs; N >= 3 also prints what one costs")
     a = p.parse_args()
     size, epochs = ("0.43M", 2) if a.short else (a.size, a.epochs)
     with bl.ForeignCPU() as monitor:
-        res = run(size, epochs, not a.no_checkpoint)
+        res = run(size, epochs, not a.no_checkpoint, a.checkpoint_interval)
     res["foreign_cpu"] = monitor.report()
     rows, start_rows = summarise(res)
     print(f"\n## Where the time goes in one steady epoch: {size}, seed config, "
-          f"{'checkpoint every epoch' if res['checkpoint'] else 'no checkpoints'}\n")
+          f"{ckpt_words(res)}\n")
     print(bl.table(["phase", "s per epoch", "share"], rows))
+    if res["checkpoint"] and res["interval"] >= 3:
+        print(f"\n## One checkpoint's cost in this run (a checkpoint every {res['interval']} "
+              f"epochs)\n")
+        print(bl.table(["epochs", "n", "median s", "each s"], checkpoint_cost_rows(res)))
     print("\n## Start-up and teardown\n")
     print(bl.table(["phase", "s"], start_rows))
     print("\n## CPU seconds by process, train() start to the first rollout\n")
     print(bl.table(["process", "CPU s"], cpu_rows(res)))
     name = bl.result_name("profile_epoch", a.short, [size] if not a.short else ["0.43M"],
-                          "" if res["checkpoint"] else "nockpt")
+                          "" if res["checkpoint"] else "nockpt",
+                          f"every{res['interval']}" if res["interval"] > 1 else "")
     path = bl.write_results(name, {"result": res, "table": rows, "startup_table": start_rows})
     print("\n" + monitor.line())
     print(f"wrote {path}")
