@@ -517,6 +517,29 @@ def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_xxh3(
         assert f.digest == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest() == ck.file_digest(path)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_files_share_one_reused_buffer_and_keep_nothing_of_each_other(tmp_path, direct):
+    """One file after another reuse one staging buffer (a new one per file was fresh memory,
+    slow on these VMs), files written at once get their own, and a short file written after
+    a long one holds only its own bytes, though the buffer still holds the long one's."""
+    from comlrl import checkpoint_write as cw
+
+    long, short = os.urandom(cw.BUFFER_BYTES - 1), b"short"
+    with cw.HashedWriter(tmp_path / "long", direct=direct) as first:
+        first.write(long)
+    with cw.HashedWriter(tmp_path / "short", direct=direct) as second:
+        second.write(short)
+        with cw.HashedWriter(tmp_path / "beside", direct=direct) as third:
+            third.write(short * 3)
+    assert second.buffer is first.buffer and third.buffer is not first.buffer
+    assert (tmp_path / "long").read_bytes() == long
+    assert (tmp_path / "short").read_bytes() == short
+    assert (tmp_path / "beside").read_bytes() == short * 3
+    assert second.digest == ck.file_digest(tmp_path / "short", direct=direct)
+    assert ck.file_digest(tmp_path / "long", direct=direct) == first.digest
+    assert first.buffer in cw._BUFFERS and third.buffer in cw._BUFFERS
+
+
 def _addresses_written(monkeypatch) -> list[int]:
     """Record the memory address of every buffer `checkpoint_write` hands to os.write."""
     import numpy as np
