@@ -98,6 +98,9 @@ ALIGN = 4096
 """O_DIRECT wants the buffer's address, the file offset and each length aligned to the
 device's logical block (512 or 4096 bytes)."""
 BUFFER_BYTES = 8 << 20
+KEPT_BUFFERS = 2
+"""How many buffers a process keeps: a learner writes one file at a time, and the other
+two of a driver's four verify readers are unmapped when done."""
 _BUFFERS: list[mmap.mmap] = []
 _BUFFERS_LOCK = threading.Lock()
 
@@ -114,8 +117,13 @@ def _take_buffer() -> mmap.mmap:
 
 
 def _give_back(buffer: mmap.mmap) -> None:
+    """Keep `buffer` for the next file; past KEPT_BUFFERS kept (a driver verifies with four
+    readers at once) it is unmapped."""
     with _BUFFERS_LOCK:
-        _BUFFERS.append(buffer)
+        if len(_BUFFERS) < KEPT_BUFFERS:
+            _BUFFERS.append(buffer)
+            return
+    buffer.close()
 
 
 class HashedWriter:

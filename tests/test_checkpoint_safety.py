@@ -521,7 +521,8 @@ def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_xxh3(
 def test_files_share_one_reused_buffer_and_keep_nothing_of_each_other(tmp_path, direct):
     """One file after another reuse one staging buffer (a new one per file was fresh memory,
     slow on these VMs), files written at once get their own, and a short file written after
-    a long one holds only its own bytes, though the buffer still holds the long one's."""
+    a long one holds only its own bytes, though the buffer still holds the long one's. At
+    most KEPT_BUFFERS are kept; the others are unmapped."""
     from comlrl import checkpoint_write as cw
 
     long, short = os.urandom(cw.BUFFER_BYTES - 1), b"short"
@@ -538,6 +539,12 @@ def test_files_share_one_reused_buffer_and_keep_nothing_of_each_other(tmp_path, 
     assert second.digest == ck.file_digest(tmp_path / "short", direct=direct)
     assert ck.file_digest(tmp_path / "long", direct=direct) == first.digest
     assert first.buffer in cw._BUFFERS and third.buffer in cw._BUFFERS
+    writers = [cw.HashedWriter(tmp_path / f"many{i}", direct=direct)
+               for i in range(cw.KEPT_BUFFERS + 2)]
+    for w in writers:
+        w.__exit__(None)
+    assert len(cw._BUFFERS) == cw.KEPT_BUFFERS         # the rest were unmapped
+    assert sum(w.buffer.closed for w in writers) == 2
 
 
 def _addresses_written(monkeypatch) -> list[int]:
