@@ -123,7 +123,10 @@ def _give_back(buffer: mmap.mmap) -> None:
         if len(_BUFFERS) < KEPT_BUFFERS:
             _BUFFERS.append(buffer)
             return
-    buffer.close()
+    try:
+        buffer.close()
+    except BufferError:    # a view still held (an error's traceback): unmapped when freed
+        pass
 
 
 class HashedWriter:
