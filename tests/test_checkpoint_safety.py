@@ -317,11 +317,16 @@ def test_verify_reads_past_the_page_cache_and_reads_ordinarily_where_o_direct_is
     assert all(_cached_pages(tmp_path / rel)[0] == 0 for rel in sizes)
     verify_checksums(tmp_path, meta)
     cached, pages = _cached_pages(big)
-    assert cached == pages
+    # Not every page: this host's kernel (DAMON, pageout of unmapped page cache) may drop a
+    # few in the moment between the read and mincore (5114 of 5121 once in 25 runs).
+    assert cached >= 0.9 * pages
     verify_checksums(shm.name, meta, direct=True)
     with open(Path(shm.name) / "agent_0" / "b.bin", "r+b") as f:
+        # Flipped, not overwritten: a random byte equals any given one once in 256 runs.
         f.seek(12 << 20)
-        f.write(b"x")
+        byte = f.read(1)[0] ^ 1
+        f.seek(12 << 20)
+        f.write(bytes([byte]))
     with pytest.raises(CheckpointError, match="agent_0/b.bin changed since it was written"):
         verify_checksums(shm.name, meta, direct=True)
     shm.cleanup()
