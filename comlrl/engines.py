@@ -187,8 +187,14 @@ class VLLMEngine:
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = enable_sleep_mode
-        elif kv_cache_memory_bytes:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        else:
+            if kv_cache_memory_bytes:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+            # A step's prompt tokens past vLLM's per-step budget (4096) are prefilled in
+            # chunks, and its CPU sampler cannot resume a seeded request's generator there:
+            # "CPU Generator does not use offset" (e.g. 8 prompts x 8 generations x 120
+            # tokens; comlrl 1.4.3 trains them). Whole prompts per step, then.
+            kwargs["enable_chunked_prefill"] = False
         self.llm = LLM(**kwargs)
         self.threads = torch.get_num_threads()
         """The engine's OpenMP thread count, fixed by vLLM while it started."""

@@ -88,6 +88,30 @@ def test_same_seed_same_samples_across_calls_and_batches(ray_session, tiny_model
         kill_actors([worker, learner])
 
 
+def test_a_call_of_more_prompt_tokens_than_one_engine_step_samples_as_requests_alone(
+        ray_session, tiny_model):
+    """12 distinct 100-token prompts x 4 samples: 4800 prompt tokens in one call, past vLLM's
+    4096 per step. With chunked prefill the CPU sampler failed on the chunked seeded request
+    ("CPU Generator does not use offset"); the public-API replay (8 prompts of ~120 tokens,
+    num_generations=8, rollout_buffer_size=8) crashed our train() the same way, and comlrl
+    1.4.3 trained it (HF generate). Each request samples what it samples alone."""
+    import ray
+
+    from workers.launch import kill_actors
+
+    worker, learner = _start(tiny_model, "vllm")
+    try:
+        reqs = [{"prompt_ids": [40 + i] + [(7 * i + j) % 200 + 5 for j in range(99)],
+                 "n": 4, "seed": 300 + i} for i in range(12)]
+        together = ray.get(worker.generate.remote(reqs))["outputs"]
+        assert [len(o) for o in together] == [4] * 12
+        for i in (0, 11):
+            alone = ray.get(worker.generate.remote([reqs[i]]))["outputs"][0]
+            assert [s["token_ids"] for s in alone] == [s["token_ids"] for s in together[i]]
+    finally:
+        kill_actors([worker, learner])
+
+
 def test_a_bfloat16_engine_samples_near_the_float32_learner_and_follows_its_updates(
         ray_session, tiny_model):
     """`engine_dtype="bfloat16"` (opt-in: generation 1.3-1.6x faster on CPU, BENCHMARKS.md)
