@@ -115,8 +115,9 @@ class MAGRPOConfig:
     """Run vLLM without graph capture/compilation (fast start; set False for GPU throughput)."""
     max_model_len: Optional[int] = None
     """Longest prompt+completion the engine accepts (None: the model's maximum)."""
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
-    """KV-cache bytes per vLLM engine on CPU (vLLM's CPU backend needs an explicit size)."""
+    kv_cache_memory_bytes: Optional[int] = None
+    """KV-cache bytes per vLLM engine on CPU. None: room for the run's largest engine call at
+    the engine's longest length, at most 256 MiB (`comlrl.engines.cpu_kv_cache_bytes`)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of a GPU one vLLM engine may take (kept < 1 so a learner can share the GPU)."""
     tensor_parallel_size: int = 1
@@ -233,10 +234,9 @@ class MAGRPOConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1) (got {self.gpu_memory_utilization!r})."
             )
-        if self.kv_cache_memory_bytes < 1 << 20:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be at least 1 MiB (got {self.kv_cache_memory_bytes!r})."
-            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1 << 20:
+            raise ValueError(f"kv_cache_memory_bytes must be None or at least 1 MiB "
+                             f"(got {self.kv_cache_memory_bytes!r}).")
         for name in ("rollout_num_cpus", "rollout_num_gpus", "learner_num_cpus",
                      "learner_num_gpus"):
             if getattr(self, name) < 0:

@@ -160,12 +160,47 @@ class HFEngine:
         self.model = None
 
 
+CPU_KV_CACHE_CAP = 256 << 20
+"""The most KV cache a CPU engine takes unless told (`kv_cache_memory_bytes=None`)."""
+KV_BLOCK_TOKENS = 128
+"""Tokens per KV block of vLLM's CPU attention: a sequence holds whole blocks."""
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None,
+                       sequences: int | None) -> int:
+    """KV-cache bytes for `sequences` sequences of the engine's longest length at once (the
+    most one call of the run generates, `comlrl.rollout.sequences_per_call`), at most
+    CPU_KV_CACHE_CAP. vLLM's CPU backend zero-fills the whole cache while it starts, and
+    on these VMs touching memory costs 1-6 s per GB: a 10M engine needs 40 MiB of the
+    256 (BENCHMARKS.md). Any model this cannot size exactly (no plain decoder config,
+    scaled RoPE, an unknown dtype) gets the cap, as before."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        per_token = (2 * int(cfg["num_hidden_layers"])
+                     * int(cfg.get("num_key_value_heads") or heads)
+                     * int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+                     * _DTYPE_BYTES[_config_dtype(model_path) if dtype == "auto" else dtype])
+        length = int(max_model_len or cfg["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return CPU_KV_CACHE_CAP
+    if not sequences or cfg.get("rope_scaling") or "factor" in (cfg.get("rope_parameters") or {}):
+        return CPU_KV_CACHE_CAP           # vLLM may lengthen the model past its config
+    blocks = -(-length // KV_BLOCK_TOKENS) + 1          # one spare block per sequence
+    return min(CPU_KV_CACHE_CAP, sequences * blocks * KV_BLOCK_TOKENS * per_token)
+
+
 class VLLMEngine:
     """An in-process vLLM engine (V1, no engine subprocess), fed token ids, seeded per request."""
 
     def __init__(self, model_path: str, sampling: SamplingSettings, *, dtype: str = "auto",
                  enforce_eager: bool = True, max_model_len: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.5,
+                 kv_cache_memory_bytes: int | None = None, kv_cache_sequences: int | None = None,
+                 gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
                  seed: int = 0, threads: int | None = None, **_: Any):
         for key, value in ENGINE_ENV.items():
@@ -188,8 +223,8 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         else:
-            if kv_cache_memory_bytes:
-                kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes or cpu_kv_cache_bytes(
+                model_path, dtype, max_model_len, kv_cache_sequences))
             # A step's prompt tokens past vLLM's per-step budget (4096) are prefilled in
             # chunks, and its CPU sampler cannot resume a seeded request's generator there:
             # "CPU Generator does not use offset" (e.g. 8 prompts x 8 generations x 120

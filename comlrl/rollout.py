@@ -88,6 +88,18 @@ def format_prompt(trainer: Any, agent: int, row: dict, external: str | None) -> 
     return trainer.formatters[agent](row, external_prompts=external)
 
 
+def sequences_per_call(args: Any, num_agents: int) -> int:
+    """The most sequences one engine call of a run can hold (per agent): `run_episode_batch`
+    rolls out up to rollout_buffer_size prompts at once in a single-turn run and one prompt
+    in a multi-turn run, whose last turn has a node per joint action of every node before it
+    (K aligned, K^N crossed), each sampled K times; an evaluation, eval_batch_size prompts
+    sampled once. Engines size their CPU KV cache from it (`cpu_kv_cache_bytes`)."""
+    k = args.num_generations
+    prompts = args.rollout_buffer_size if args.num_turns == 1 else 1
+    children = len(magrpo.joint_actions(num_agents, k, args.cross))
+    return max(prompts * children ** (args.num_turns - 1) * k, args.eval_batch_size)
+
+
 def run_episode_batch(trainer: Any, session: Any, epoch: int, row_indices: list[int],
                       record: StepRecord, *, seed_tag: Any = "train",
                       num_generations: int | None = None, rows: list[dict] | None = None,

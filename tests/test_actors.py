@@ -428,6 +428,38 @@ def test_the_engine_env_keeps_freed_memory_for_the_next_update():
     assert sum(ours[-3:]) < sum(default[-3:]) / 20, (ours, default)
 
 
+def test_a_cpu_engine_sizes_its_kv_cache_for_the_runs_largest_call_within_the_cap(tmp_path):
+    """Per token a layer keeps K and V: 2 x kv heads x head_dim x dtype bytes; a sequence
+    holds whole 128-token blocks of the engine's longest length, plus one spare. A config it
+    cannot size exactly (scaled RoPE, no head count, a dtype it does not know) and any
+    result past the cap get the cap, 256 MiB, the fixed size every engine got before."""
+    import json
+
+    from comlrl.engines import CPU_KV_CACHE_CAP, cpu_kv_cache_bytes
+
+    def model(**cfg):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        base = dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=512,
+                    num_hidden_layers=4, max_position_embeddings=512, dtype="float32")
+        (folder / "config.json").write_text(json.dumps({**base, **cfg}))
+        return str(folder)
+
+    ten_m = model()                   # the 10M benchmark model's shape: 8 KiB per token
+    per_token = 2 * 4 * 4 * 64 * 4
+    assert cpu_kv_cache_bytes(ten_m, "auto", None, 8) == 8 * 5 * 128 * per_token   # 40 MiB
+    assert cpu_kv_cache_bytes(ten_m, "bfloat16", None, 8) == 8 * 5 * 128 * per_token // 2
+    assert cpu_kv_cache_bytes(ten_m, "auto", 200, 8) == 8 * 3 * 128 * per_token
+    assert cpu_kv_cache_bytes(model(head_dim=128), "auto", None, 1) == 5 * 128 * per_token * 2
+    assert cpu_kv_cache_bytes(ten_m, "auto", None, 64) == CPU_KV_CACHE_CAP      # 320 MiB
+    for folder, dtype, sequences in ((model(rope_scaling={"factor": 4.0}), "auto", 8),
+                                     (model(rope_parameters={"factor": 2.0}), "auto", 8),
+                                     (model(num_attention_heads=None), "auto", 8),
+                                     (ten_m, "float8_e4m3fn", 8), (ten_m, "auto", None),
+                                     (str(tmp_path / "missing"), "auto", 8)):
+        assert cpu_kv_cache_bytes(folder, dtype, None, sequences) == CPU_KV_CACHE_CAP
+
+
 GC_IMPORTS = """
 import gc, json, sys, weakref
 from comlrl.engines import imports_without_gc

@@ -10,7 +10,7 @@ from tests.learner_probe import sequence_logprobs
 pytestmark = pytest.mark.e2e
 
 
-def _start(tiny_model, engine):
+def _start(tiny_model, engine, engine_kwargs=None):
     from workers.launch import Placement, start_actor
     from workers.learner import Learner
     from workers.rollout import RolloutWorker
@@ -18,7 +18,7 @@ def _start(tiny_model, engine):
     sampling = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=None,
                     stop_token_ids=(0,))
     worker = start_actor(RolloutWorker, Placement(0.5), 0, tiny_model, engine, sampling,
-                         dict(kv_cache_memory_bytes=64 << 20, threads=1))
+                         engine_kwargs or dict(kv_cache_memory_bytes=64 << 20, threads=1))
     learner = start_actor(Learner, Placement(0.5), 0, tiny_model, learning_rate=1e-2,
                           train_batch_size=2, threads=1)
     return worker, learner
@@ -94,13 +94,21 @@ def test_a_call_of_more_prompt_tokens_than_one_engine_step_samples_as_requests_a
     4096 per step. With chunked prefill the CPU sampler failed on the chunked seeded request
     ("CPU Generator does not use offset"); the public-API replay (8 prompts of ~120 tokens,
     num_generations=8, rollout_buffer_size=8) crashed our train() the same way, and comlrl
-    1.4.3 trained it (HF generate). Each request samples what it samples alone."""
+    1.4.3 trained it (HF generate). Each request samples what it samples alone.
+
+    The engine's KV cache is sized as a run sizes it by default (kv_cache_memory_bytes=None)
+    for its largest call, here these 48 sequences: 5 blocks of 128 tokens each (the tiny
+    model's 512 tokens, and a spare), 30 MiB where every engine took 256 before."""
     import ray
 
     from workers.launch import kill_actors
 
-    worker, learner = _start(tiny_model, "vllm")
+    worker, learner = _start(tiny_model, "vllm", dict(kv_cache_sequences=48, threads=1))
     try:
+        cache = ray.get(worker.__ray_call__.remote(
+            lambda w: w.engine.llm.llm_engine.vllm_config.cache_config))
+        assert (cache.num_gpu_blocks, cache.block_size) == (48 * 5, 128)
+        assert cache.kv_cache_memory_bytes == 48 * 5 * 128 * 1024 == 30 << 20
         reqs = [{"prompt_ids": [40 + i] + [(7 * i + j) % 200 + 5 for j in range(99)],
                  "n": 4, "seed": 300 + i} for i in range(12)]
         together = ray.get(worker.generate.remote(reqs))["outputs"]

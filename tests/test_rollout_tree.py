@@ -136,3 +136,33 @@ def test_evaluation_returns_are_discounted_like_training_returns():
     assert metrics["eval/turn_1/reward_mean"] == metrics["eval/turn_2/reward_mean"] == 2.0
     assert metrics["eval/turn_2/expected_return"] == 2.0
     assert metrics["eval/turn_1/expected_return"] == 2.0 + 0.5 * 2.0
+
+
+class CountingSession(FakeSession):
+    """FakeSession that also keeps the sequences (sum of n) each agent got per call."""
+
+    def generate(self, requests_per_agent, record):
+        self.sequences = getattr(self, "sequences", []) + [
+            sum(r["n"] for r in reqs) for reqs in requests_per_agent]
+        return super().generate(requests_per_agent, record)
+
+
+@pytest.mark.parametrize("cfg, rows, evaluation", [
+    (dict(num_turns=1, rollout_buffer_size=3), 3, False),           # single turn: a buffer
+    (dict(num_turns=3, joint_mode="aligned"), 1, False),            # multi-turn: one prompt
+    (dict(num_turns=2, joint_mode="cross"), 1, False),              # K^N children per node
+    (dict(num_turns=2, eval_batch_size=5), 5, True),                # evaluation, sampled once
+])
+def test_sequences_per_call_is_the_most_one_engine_call_of_the_run_holds(cfg, rows, evaluation):
+    """The CPU KV cache is sized from `sequences_per_call` (`cpu_kv_cache_bytes`): the tree
+    grown here (every node expanded) sends exactly that many sequences to an agent in its
+    largest call."""
+    from comlrl.rollout import sequences_per_call
+
+    trainer = make_trainer(sum_len_reward, lambda **kw: ["next", "next"],
+                           early_termination_threshold=None, **cfg)
+    session = CountingSession()
+    run_episode_batch(trainer, session, 0, list(range(rows)), StepRecord(),
+                      rows=[{"prompt": f"p{i}"} for i in range(rows)],
+                      num_generations=1 if evaluation else None, evaluation=evaluation)
+    assert max(session.sequences) == sequences_per_call(trainer.args, trainer.num_agents)
