@@ -56,7 +56,8 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
         "engine_kwargs": dict(
             dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
             max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            kv_cache_sequences=sequences_per_call(args, trainer.num_agents),
+            kv_cache_sequences=(None if args.kv_cache_memory_bytes  # else it shapes the engines
+                                else sequences_per_call(args, trainer.num_agents)),
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=plan["gpu_memory_utilization"],
             enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
