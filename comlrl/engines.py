@@ -224,7 +224,7 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes or cpu_kv_cache_bytes(
-                model_path, dtype, max_model_len, kv_cache_sequences))
+                model_path, kwargs["dtype"], max_model_len, kv_cache_sequences))
             # A step's prompt tokens past vLLM's per-step budget (4096) are prefilled in
             # chunks, and its CPU sampler cannot resume a seeded request's generator there:
             # "CPU Generator does not use offset" (e.g. 8 prompts x 8 generations x 120
