@@ -432,7 +432,10 @@ def test_a_cpu_engine_sizes_its_kv_cache_for_the_runs_largest_call_within_the_ca
     """Per token a layer keeps K and V: 2 x kv heads x head_dim x dtype bytes; a sequence
     holds whole 128-token blocks of the engine's longest length, plus one spare. A config it
     cannot size exactly (scaled RoPE, no head count, a dtype it does not know) and any
-    result past the cap get the cap, 256 MiB, the fixed size every engine got before."""
+    result past the cap get the cap, 256 MiB, the fixed size every engine got before.
+    The field is this project's: comlrl 1.4.3's MAGRPOConfig (its venv) refuses it with
+    "TypeError: MAGRPOConfig.__init__() got an unexpected keyword argument
+    'kv_cache_memory_bytes'" (README)."""
     import json
 
     from comlrl.engines import CPU_KV_CACHE_CAP, cpu_kv_cache_bytes
