@@ -168,13 +168,14 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2
 
 
 def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None,
-                       sequences: int | None) -> int:
-    """KV-cache bytes for `sequences` sequences of the engine's longest length at once (the
-    most one call of the run generates, `comlrl.rollout.sequences_per_call`), at most
-    CPU_KV_CACHE_CAP. vLLM's CPU backend zero-fills the whole cache while it starts, and
-    on these VMs touching memory costs 1-6 s per GB: a 10M engine needs 40 MiB of the
-    256 (BENCHMARKS.md). Any model this cannot size exactly (no plain decoder config,
-    scaled RoPE, an unknown dtype) gets the cap, as before."""
+                       sequences: int | None, tokens: int | None = None) -> int:
+    """KV-cache bytes for `sequences` sequences of `tokens` tokens at once (the most one call
+    of the run generates, `comlrl.rollout.sequences_per_call` and `longest_sequence`; the
+    engine's longest length where `tokens` is None), at most CPU_KV_CACHE_CAP. vLLM's CPU
+    backend zero-fills the whole cache while it starts, and on these VMs touching memory
+    costs 1-6 s per GB: a 10M seed engine needs 10 MiB of the 256 (BENCHMARKS.md). Any
+    model this cannot size exactly (no plain decoder config, scaled RoPE, an unknown dtype)
+    gets the cap, as before."""
     import json
     from pathlib import Path
 
@@ -190,8 +191,11 @@ def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None,
         return CPU_KV_CACHE_CAP
     if not sequences or cfg.get("rope_scaling") or "factor" in (cfg.get("rope_parameters") or {}):
         return CPU_KV_CACHE_CAP           # vLLM may lengthen the model past its config
-    blocks = -(-length // KV_BLOCK_TOKENS) + 1          # one spare block per sequence
-    return min(CPU_KV_CACHE_CAP, sequences * blocks * KV_BLOCK_TOKENS * per_token)
+    # Each sequence holds whole blocks; vLLM keeps one block back (its null block) and
+    # refuses to start unless one sequence of the longest length fits. One block spare.
+    per_sequence = -(-min(tokens or length, length) // KV_BLOCK_TOKENS)
+    blocks = max(sequences * per_sequence, -(-length // KV_BLOCK_TOKENS)) + 2
+    return min(CPU_KV_CACHE_CAP, blocks * KV_BLOCK_TOKENS * per_token)
 
 
 class VLLMEngine:
@@ -200,6 +204,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, sampling: SamplingSettings, *, dtype: str = "auto",
                  enforce_eager: bool = True, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, kv_cache_sequences: int | None = None,
+                 kv_cache_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
                  seed: int = 0, threads: int | None = None, **_: Any):
@@ -224,7 +229,7 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes or cpu_kv_cache_bytes(
-                model_path, kwargs["dtype"], max_model_len, kv_cache_sequences))
+                model_path, kwargs["dtype"], max_model_len, kv_cache_sequences, kv_cache_tokens))
             # A step's prompt tokens past vLLM's per-step budget (4096) are prefilled in
             # chunks, and its CPU sampler cannot resume a seeded request's generator there:
             # "CPU Generator does not use offset" (e.g. 8 prompts x 8 generations x 120

@@ -100,6 +100,30 @@ def sequences_per_call(args: Any, num_agents: int) -> int:
     return max(prompts * children ** (args.num_turns - 1) * k, args.eval_batch_size)
 
 
+PROMPT_SCAN_LIMIT = 1024
+"""The most prompts (rows x agents) `longest_sequence` formats and tokenizes at start:
+~0.1 s on the driver; past that the engines plan for their longest length."""
+
+
+def longest_sequence(trainer: Any) -> int | None:
+    """The most tokens one sequence of a single-turn run holds in an engine: its longest
+    prompt (train and eval rows, every agent, formatted and encoded as the rollout does)
+    plus max_new_tokens. Engines size their CPU KV cache from it (`cpu_kv_cache_bytes`).
+    None where that is not known at start: a multi-turn run (later prompts carry the turns'
+    texts), more than PROMPT_SCAN_LIMIT prompts, or a formatter that raises (the rollout
+    raises it where comlrl does)."""
+    args, n = trainer.args, trainer.num_agents
+    rows = (trainer.train_rows or []) + (trainer.eval_rows or [])
+    if args.num_turns != 1 or not rows or len(rows) * n > PROMPT_SCAN_LIMIT:
+        return None
+    try:
+        texts = [(a, format_prompt(trainer, a, row, None)) for row in rows for a in range(n)]
+    except Exception:  # noqa: BLE001 - the user's formatter; the rollout reports it
+        return None
+    prompt = max(len(_encode(trainer.tokenizers[a], text)) for a, text in texts)
+    return prompt + args.max_new_tokens
+
+
 def run_episode_batch(trainer: Any, session: Any, epoch: int, row_indices: list[int],
                       record: StepRecord, *, seed_tag: Any = "train",
                       num_generations: int | None = None, rows: list[dict] | None = None,

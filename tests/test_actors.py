@@ -20,9 +20,18 @@ from workers.launch import plan_placement
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _key(args: MAGRPOConfig, folders: list[str], logs: str = "/runs/logs") -> str:
-    trainer = SimpleNamespace(args=args, num_agents=2,
-                              tokenizers=[SimpleNamespace(eos_token_id=2)] * 2)
+class _Tokenizer:
+    eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3] * len(text)}
+
+
+def _key(args: MAGRPOConfig, folders: list[str], logs: str = "/runs/logs",
+         rows: tuple = ({"prompt": "a question"},)) -> str:
+    trainer = SimpleNamespace(args=args, num_agents=2, tokenizers=[_Tokenizer()] * 2,
+                              formatters=[lambda row, external_prompts=None: row["prompt"]] * 2,
+                              train_rows=list(rows), eval_rows=None)
     plan = plan_placement(args, 2)
     workers = 2 * args.rollout_workers_per_agent
     needs = [("rollout", plan["rollout"])] * workers + [("learner", plan["learner"])] * 2
@@ -52,6 +61,15 @@ def test_only_the_weights_may_differ(tmp_path: Path):
     assert _key(MAGRPOConfig(max_new_tokens=7), [str(a)] * 2) != base
     assert _key(MAGRPOConfig(rollout_workers_per_agent=2), [str(a)] * 2) != base
     assert _key(MAGRPOConfig(), [str(a)] * 2, logs="/elsewhere/logs") != base
+    # Engines hold the run's longest prompt + max_new_tokens (their KV cache's size):
+    # prompts within the same 128-token blocks keep them, a longer one starts new ones. A multi-turn
+    # run (the default, 2 turns) sizes them for the model's longest length instead.
+    one_turn = _key(MAGRPOConfig(num_turns=1), [str(a)] * 2)
+    assert one_turn != base
+    assert _key(MAGRPOConfig(num_turns=1), [str(a)] * 2,
+                rows=({"prompt": "another, longer question"},)) == one_turn
+    assert _key(MAGRPOConfig(num_turns=1), [str(a)] * 2,
+                rows=({"prompt": "a" * 300},)) != one_turn
 
 
 def test_final_weights_go_into_fresh_memory_of_the_same_parameters(tmp_path: Path):
@@ -430,12 +448,14 @@ def test_the_engine_env_keeps_freed_memory_for_the_next_update():
 
 def test_a_cpu_engine_sizes_its_kv_cache_for_the_runs_largest_call_within_the_cap(tmp_path):
     """Per token a layer keeps K and V: 2 x kv heads x head_dim x dtype bytes; a sequence
-    holds whole 128-token blocks of the engine's longest length, plus one spare. A config it
-    cannot size exactly (scaled RoPE, no head count, a dtype it does not know) and any
-    result past the cap get the cap, 256 MiB, the fixed size every engine got before.
-    The field is this project's: comlrl 1.4.3's MAGRPOConfig (its venv) refuses it with
-    "TypeError: MAGRPOConfig.__init__() got an unexpected keyword argument
-    'kv_cache_memory_bytes'" (README)."""
+    holds whole 128-token blocks of its tokens (the run's longest prompt + max_new_tokens,
+    else the engine's longest length), and vLLM keeps one block back and starts only if one
+    sequence of the longest length fits; one block is spare. A config it cannot size exactly
+    (scaled RoPE, no head count, a dtype it does not know) and any result past the cap get
+    the cap, 256 MiB, the fixed size every engine got before. The field is this project's:
+    comlrl 1.4.3's MAGRPOConfig (its venv) refuses it with "TypeError:
+    MAGRPOConfig.__init__() got an unexpected keyword argument 'kv_cache_memory_bytes'"
+    (README)."""
     import json
 
     from comlrl.engines import CPU_KV_CACHE_CAP, cpu_kv_cache_bytes
@@ -450,11 +470,17 @@ def test_a_cpu_engine_sizes_its_kv_cache_for_the_runs_largest_call_within_the_ca
 
     ten_m = model()                   # the 10M benchmark model's shape: 8 KiB per token
     per_token = 2 * 4 * 4 * 64 * 4
-    assert cpu_kv_cache_bytes(ten_m, "auto", None, 8) == 8 * 5 * 128 * per_token   # 40 MiB
-    assert cpu_kv_cache_bytes(ten_m, "bfloat16", None, 8) == 8 * 5 * 128 * per_token // 2
-    assert cpu_kv_cache_bytes(ten_m, "auto", 200, 8) == 8 * 3 * 128 * per_token
-    assert cpu_kv_cache_bytes(model(head_dim=128), "auto", None, 1) == 5 * 128 * per_token * 2
-    assert cpu_kv_cache_bytes(ten_m, "auto", None, 64) == CPU_KV_CACHE_CAP      # 320 MiB
+    block = 128 * per_token                                 # 1 MiB
+    assert cpu_kv_cache_bytes(ten_m, "auto", None, 8) == (8 * 4 + 2) * block
+    assert cpu_kv_cache_bytes(ten_m, "bfloat16", None, 8) == (8 * 4 + 2) * block // 2
+    assert cpu_kv_cache_bytes(ten_m, "auto", 200, 8) == (8 * 2 + 2) * block
+    assert cpu_kv_cache_bytes(model(head_dim=128), "auto", None, 1) == (4 + 2) * block * 2
+    assert cpu_kv_cache_bytes(ten_m, "auto", None, 64) == CPU_KV_CACHE_CAP  # 258 MiB
+    # The seed run's sequences: a short prompt + 64 new tokens hold one block each.
+    assert cpu_kv_cache_bytes(ten_m, "auto", None, 8, tokens=100) == (8 + 2) * block
+    assert cpu_kv_cache_bytes(ten_m, "auto", None, 8, tokens=129) == (8 * 2 + 2) * block
+    assert cpu_kv_cache_bytes(ten_m, "auto", None, 1, tokens=100) == (4 + 2) * block
+    assert cpu_kv_cache_bytes(ten_m, "auto", 200, 8, tokens=1000) == (8 * 2 + 2) * block
     for folder, dtype, sequences in ((model(rope_scaling={"factor": 4.0}), "auto", 8),
                                      (model(rope_parameters={"factor": 2.0}), "auto", 8),
                                      (model(num_attention_heads=None), "auto", 8),

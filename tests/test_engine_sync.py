@@ -97,22 +97,39 @@ def test_a_call_of_more_prompt_tokens_than_one_engine_step_samples_as_requests_a
     1.4.3 trained it (HF generate). Each request samples what it samples alone.
 
     The engine's KV cache is sized as a run sizes it by default (kv_cache_memory_bytes=None)
-    for its largest call, here these 48 sequences: 5 blocks of 128 tokens each (the tiny
-    model's 512 tokens, and a spare), 30 MiB where every engine took 256 before."""
+    for its largest call, here these 48 sequences of 100 prompt + 12 new tokens: one block of
+    128 tokens each, plus vLLM's null block and a spare, 50 blocks (6.25 MiB) where every
+    engine took 256 MiB before. The call fits at once: vLLM runs all 48 together."""
     import ray
 
     from workers.launch import kill_actors
 
-    worker, learner = _start(tiny_model, "vllm", dict(kv_cache_sequences=48, threads=1))
+    worker, learner = _start(tiny_model, "vllm", dict(kv_cache_sequences=48,
+                                                      kv_cache_tokens=100 + 12, threads=1))
+
+    def count_running(w):
+        # The most requests vLLM's scheduler runs at once; a cache too small for the call
+        # keeps the rest waiting (40 blocks ran 39 of these 48 at most).
+        scheduler = w.engine.llm.llm_engine.engine_core.engine_core.scheduler
+        schedule, w.most_running = scheduler.schedule, 0
+
+        def counted(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            w.most_running = max(w.most_running, len(scheduler.running))
+            return out
+        scheduler.schedule = counted
+
     try:
         cache = ray.get(worker.__ray_call__.remote(
             lambda w: w.engine.llm.llm_engine.vllm_config.cache_config))
-        assert (cache.num_gpu_blocks, cache.block_size) == (48 * 5, 128)
-        assert cache.kv_cache_memory_bytes == 48 * 5 * 128 * 1024 == 30 << 20
+        assert (cache.num_gpu_blocks, cache.block_size) == (48 + 2, 128)
+        assert cache.kv_cache_memory_bytes == 50 * 128 * 1024
+        ray.get(worker.__ray_call__.remote(count_running))
         reqs = [{"prompt_ids": [40 + i] + [(7 * i + j) % 200 + 5 for j in range(99)],
                  "n": 4, "seed": 300 + i} for i in range(12)]
         together = ray.get(worker.generate.remote(reqs))["outputs"]
         assert [len(o) for o in together] == [4] * 12
+        assert ray.get(worker.__ray_call__.remote(lambda w: w.most_running)) == 48
         for i in (0, 11):
             alone = ray.get(worker.generate.remote([reqs[i]]))["outputs"][0]
             assert [s["token_ids"] for s in alone] == [s["token_ids"] for s in together[i]]

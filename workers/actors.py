@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comlrl.rollout import sequences_per_call
+from comlrl.engines import KV_BLOCK_TOKENS
+from comlrl.rollout import longest_sequence, sequences_per_call
 from workers.launch import _WARM, kill_actors, remove_placement
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -56,8 +57,12 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
         "engine_kwargs": dict(
             dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
             max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            kv_cache_sequences=(None if args.kv_cache_memory_bytes  # else it shapes the engines
+            # Sized by default, the KV cache's bounds shape the engines (the warm key); the
+            # tokens in whole blocks, so a later train()'s prompts that fit keep the engines.
+            kv_cache_sequences=(None if args.kv_cache_memory_bytes
                                 else sequences_per_call(args, trainer.num_agents)),
+            kv_cache_tokens=None if args.kv_cache_memory_bytes else _in_blocks(
+                longest_sequence(trainer)),
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=plan["gpu_memory_utilization"],
             enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
@@ -73,6 +78,10 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
                          threads=args.learner_threads or max(1, cores // trainer.num_agents))
                     for a in range(trainer.num_agents)],
     }
+
+
+def _in_blocks(tokens: int | None) -> int | None:
+    return tokens and -(-tokens // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
 
 
 def model_shape(folder: str) -> str:
