@@ -116,8 +116,8 @@ class MAGRPOConfig:
     max_model_len: Optional[int] = None
     """Longest prompt+completion the engine accepts (None: the model's maximum)."""
     kv_cache_memory_bytes: Optional[int] = None
-    """KV-cache bytes per vLLM engine on CPU. None: room for the run's largest engine call at
-    the engine's longest length, at most 256 MiB (`comlrl.engines.cpu_kv_cache_bytes`)."""
+    """KV-cache bytes per vLLM engine on CPU. None: room for the run's largest engine call,
+    its sequences as long as they can get, at most 256 MiB (`engines.cpu_kv_cache_bytes`)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of a GPU one vLLM engine may take (kept < 1 so a learner can share the GPU)."""
     tensor_parallel_size: int = 1
