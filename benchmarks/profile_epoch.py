@@ -109,15 +109,19 @@ def install_timers() -> None:
         import ray
         import workers.transport as transport
 
+        from workers.colocated import ColocatedTransport
+
         pushed: list = []
-        real_push = transport.ObjectStoreTransport.push
+        # An agent host's own engine loads in-process (`load_own_weights`), any further
+        # worker of the agent through the object store: each push's refs, counted once.
+        for cls in (transport.ObjectStoreTransport, ColocatedTransport):
+            def push(self, *args, _real=cls.__dict__["push"], _cls=cls, **kwargs):
+                refs = _real(self, *args, **kwargs)
+                if type(self) is _cls:
+                    pushed.extend(refs)
+                return refs
 
-        def push(self, *args, **kwargs):
-            refs = real_push(self, *args, **kwargs)
-            pushed.extend(refs)
-            return refs
-
-        transport.ObjectStoreTransport.push = push
+            cls.push = push
         real_push_weights = Session.push_weights
 
         def push_weights(self, *args, **kwargs):
