@@ -62,8 +62,8 @@ def test_only_the_weights_may_differ(tmp_path: Path):
     assert _key(MAGRPOConfig(rollout_workers_per_agent=2), [str(a)] * 2) != base
     assert _key(MAGRPOConfig(), [str(a)] * 2, logs="/elsewhere/logs") != base
     # Engines hold the run's longest prompt + max_new_tokens (their KV cache's size):
-    # prompts within the same 128-token blocks keep them, a longer one starts new ones. A multi-turn
-    # run (the default, 2 turns) sizes them for the model's longest length instead.
+    # prompts within the same 128-token blocks keep them, a longer one starts new ones. A
+    # multi-turn run (the default, 2 turns) sizes them for the model's longest length.
     one_turn = _key(MAGRPOConfig(num_turns=1), [str(a)] * 2)
     assert one_turn != base
     assert _key(MAGRPOConfig(num_turns=1), [str(a)] * 2,

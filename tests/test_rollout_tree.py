@@ -194,7 +194,10 @@ def test_longest_sequence_is_the_longest_prompt_an_engine_gets_plus_max_new_toke
     trainer.args.num_turns = 2
     assert rollout.longest_sequence(trainer) is None
     trainer.args.num_turns = 1
+    trainer.eval_rows = None                  # 2 agents: two prompts per row
     trainer.train_rows = [{"prompt": "a"}] * (rollout.PROMPT_SCAN_LIMIT // 2)
+    assert rollout.longest_sequence(trainer) == 5 + 1 + 7
+    trainer.train_rows.append({"prompt": "a"})
     assert rollout.longest_sequence(trainer) is None
     trainer.train_rows = [{"prompt": "a"}]
 
