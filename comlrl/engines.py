@@ -167,6 +167,11 @@ KV_BLOCK_TOKENS = 128
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
+def kv_blocks(tokens: int) -> int:
+    """The whole KV blocks a sequence of `tokens` tokens takes."""
+    return -(-tokens // KV_BLOCK_TOKENS)
+
+
 def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None,
                        sequences: int | None, tokens: int | None = None) -> int:
     """KV-cache bytes for `sequences` sequences of `tokens` tokens at once (the most one call
@@ -193,8 +198,7 @@ def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None,
         return CPU_KV_CACHE_CAP           # vLLM may lengthen the model past its config
     # Each sequence holds whole blocks; vLLM keeps one block back (its null block) and
     # refuses to start unless one sequence of the longest length fits. One block spare.
-    per_sequence = -(-min(tokens or length, length) // KV_BLOCK_TOKENS)
-    blocks = max(sequences * per_sequence, -(-length // KV_BLOCK_TOKENS)) + 2
+    blocks = max(sequences * kv_blocks(min(tokens or length, length)), kv_blocks(length)) + 2
     return min(CPU_KV_CACHE_CAP, blocks * KV_BLOCK_TOKENS * per_token)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from comlrl.config import MAGRPOConfig
 from comlrl.tiny_model import build_tiny_model
+from tests.test_rollout_tree import FakeTokenizer
 from workers.actors import (
     Actors, actor_settings, model_shape, pack_model_folder, use_folders, warm_key,
 )
@@ -20,16 +21,9 @@ from workers.launch import plan_placement
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class _Tokenizer:
-    eos_token_id = 2
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [3] * len(text)}
-
-
 def _key(args: MAGRPOConfig, folders: list[str], logs: str = "/runs/logs",
          rows: tuple = ({"prompt": "a question"},)) -> str:
-    trainer = SimpleNamespace(args=args, num_agents=2, tokenizers=[_Tokenizer()] * 2,
+    trainer = SimpleNamespace(args=args, num_agents=2, tokenizers=[FakeTokenizer()] * 2,
                               formatters=[lambda row, external_prompts=None: row["prompt"]] * 2,
                               train_rows=list(rows), eval_rows=None)
     plan = plan_placement(args, 2)

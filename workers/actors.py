@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comlrl.engines import KV_BLOCK_TOKENS
+from comlrl.engines import KV_BLOCK_TOKENS, kv_blocks
 from comlrl.rollout import longest_sequence, sequences_per_call
 from workers.launch import _WARM, kill_actors, remove_placement
 
@@ -81,7 +81,7 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
 
 
 def _in_blocks(tokens: int | None) -> int | None:
-    return tokens and -(-tokens // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return tokens and kv_blocks(tokens) * KV_BLOCK_TOKENS
 
 
 def model_shape(folder: str) -> str:
