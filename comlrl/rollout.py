@@ -107,20 +107,18 @@ PROMPT_SCAN_LIMIT = 1024
 
 def longest_sequence(trainer: Any) -> int | None:
     """The most tokens one sequence of a single-turn run holds in an engine: its longest
-    prompt (train and eval rows, every agent, formatted and encoded as the rollout does)
-    plus max_new_tokens. Engines size their CPU KV cache from it (`cpu_kv_cache_bytes`).
+    prompt (train and eval rows, every agent, encoded as the rollout does) plus
+    max_new_tokens. Engines size their CPU KV cache from it (`cpu_kv_cache_bytes`).
     None where that is not known at start: a multi-turn run (later prompts carry the turns'
-    texts), more than PROMPT_SCAN_LIMIT prompts, or a formatter that raises (the rollout
-    raises it where comlrl does)."""
+    texts), more than PROMPT_SCAN_LIMIT prompts, or a user's formatter, which is called
+    where comlrl 1.4.3 calls it, once per row and rollout, and never ahead of it."""
     args, n = trainer.args, trainer.num_agents
     rows = (trainer.train_rows or []) + (trainer.eval_rows or [])
-    if args.num_turns != 1 or not rows or len(rows) * n > PROMPT_SCAN_LIMIT:
+    if args.num_turns != 1 or not rows or len(rows) * n > PROMPT_SCAN_LIMIT or \
+            any(getattr(f, "user", None) is not None for f in trainer.formatters):
         return None
-    try:
-        texts = [(a, format_prompt(trainer, a, row, None)) for row in rows for a in range(n)]
-    except Exception:  # noqa: BLE001 - the user's formatter; the rollout reports it
-        return None
-    prompt = max(len(_encode(trainer.tokenizers[a], text)) for a, text in texts)
+    prompt = max(len(_encode(trainer.tokenizers[a], format_prompt(trainer, a, row, None)))
+                 for row in rows for a in range(n))
     return prompt + args.max_new_tokens
 
 

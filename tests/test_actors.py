@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from comlrl.config import MAGRPOConfig
+from comlrl.inputs import build_formatters
 from comlrl.tiny_model import build_tiny_model
 from tests.test_rollout_tree import FakeTokenizer
 from workers.actors import (
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _key(args: MAGRPOConfig, folders: list[str], logs: str = "/runs/logs",
          rows: tuple = ({"prompt": "a question"},)) -> str:
     trainer = SimpleNamespace(args=args, num_agents=2, tokenizers=[FakeTokenizer()] * 2,
-                              formatters=[lambda row, external_prompts=None: row["prompt"]] * 2,
+                              formatters=build_formatters(None, 2),
                               train_rows=list(rows), eval_rows=None)
     plan = plan_placement(args, 2)
     workers = 2 * args.rollout_workers_per_agent
