@@ -313,6 +313,13 @@ def checkpoint_cost_rows(res: dict) -> list[list]:
             for k, es in kinds.items()]
     rows.append(["one checkpoint (both, less two clean)", "", cost(med),
                  f"{100 * cost(med) / med['clean']:+.1f}% of a clean epoch"])
+    phases = res["per_epoch"]
+    for name, key in (("generation inside the engines", "  inside engines (slowest worker)"),
+                      ("learning (wait)", "learning wait")):
+        m = medians(lambda e: phases[e].get(key, 0.0))
+        rows.append([f"  {name}", "", m["clean"],
+                     f"ends with {m['ends with a checkpoint']:.3f}, right after "
+                     f"{m['right after a checkpoint']:.3f}: {cost(m):+.3f} per checkpoint"])
     for name in sorted({n for e in steady for n in cpu[e]}):
         m = medians(lambda e: cpu[e].get(name, 0.0))
         if max(m.values()) >= 0.005:
