@@ -239,6 +239,30 @@ def _job_status(address: str, job_id: str) -> str:
     return str(JobSubmissionClient(address).get_job_status(job_id).value)
 
 
+def _job_driver(out: Path):
+    """The job's driver: the `python -m workers.cli ... output_dir=<out>` process that Ray's
+    job supervisor started (not `ray job submit`, whose command line holds the same words)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd[1:3] == ["-m", "workers.cli"] and f"output_dir={out}" in cmd:
+            found.append(proc)
+    assert len(found) == 1, [p.info["cmdline"] for p in found]
+    return found[0]
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits for process `pid` (its shared pending mask, /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True                     # gone: whatever was sent has landed
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:"))
+    return bool(int(mask, 16) & (1 << (signal.SIGTERM - 1)))
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_ray_job_submit_stop_and_resume_latest(tmp_path):
@@ -285,9 +309,24 @@ def test_ray_job_submit_stop_and_resume_latest(tmp_path):
                 assert _job_status(address, "seed-a") in ("PENDING", "RUNNING"), _ray(
                     env, "job", "logs", "--address", address, "seed-a").stdout[-5000:]
             time.sleep(0.1)
-        stopped = _ray(env, "job", "stop", "--address", address, "seed-a", timeout=120)
+        # The driver is frozen the moment checkpoint-1 is seen, so the stop lands there and
+        # not after the run's end: the tiny model's last three epochs took less time than
+        # `ray job stop` takes to start, and once the job finished first (a red CI run).
+        # Ray's SIGTERM waits while the driver is stopped and is delivered when it goes on.
+        driver = _job_driver(out)
+        driver.send_signal(signal.SIGSTOP)
+        stopped = _ray(env, "job", "stop", "--no-wait", "--address", address, "seed-a",
+                       timeout=120)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert _job_status(address, "seed-a") == "STOPPED"
+        deadline = time.monotonic() + 60
+        while not _sigterm_pending(driver.pid):
+            assert time.monotonic() < deadline, "ray job stop sent the driver no SIGTERM"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while _job_status(address, "seed-a") != "STOPPED":
+            assert time.monotonic() < deadline, _job_status(address, "seed-a")
+            time.sleep(0.2)
         assert not (ckpts / "checkpoint-4").exists(), "the job finished before it was stopped"
         assert uploaded, "the job's working dir was never found"
         package = uploaded[0].parents[1]
