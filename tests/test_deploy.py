@@ -259,6 +259,8 @@ def _sigterm_pending(pid: int) -> bool:
         status = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return True                     # gone: whatever was sent has landed
+    if "\nState:\tZ" in status:
+        return True                     # killed (a zombie until reaped)
     mask = next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:"))
     return bool(int(mask, 16) & (1 << (signal.SIGTERM - 1)))
 
