@@ -1,5 +1,5 @@
-"""The house rules of issue 9, kept by tests: the map names only files that exist, and no
-file of the package grows past the sizes that keep it readable."""
+"""The house rules, kept by tests: the architecture map names only files that exist, and
+every module of the package has its place in it."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ def test_architecture_map_names_only_files_that_exist():
     assert not missing, missing
 
 
-def test_package_files_stay_small():
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
-             for folder in ("comlrl", "workers") for p in (ROOT / folder).rglob("*.py")}
-    assert sizes["comlrl/trainers/reinforce/magrpo.py"] < 350
-    too_big = {path: n for path, n in sizes.items() if n > 450}
-    assert not too_big, too_big
+def test_every_package_module_has_its_place_in_the_architecture_map():
+    """Issue 36 replaced a 450-line cap (files were trimmed to pass it instead of split by
+    concern) with what it stood for: every module of the package is named in the map, with
+    the one concern it holds. (Package `__init__` files hold no concern of their own.)"""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = sorted(str(p.relative_to(ROOT)) for folder in ("comlrl", "workers")
+                     for p in (ROOT / folder).rglob("*.py")
+                     if p.name != "__init__.py" and f"`{p.relative_to(ROOT)}`" not in text)
+    assert not unnamed, f"name these in docs/architecture.md with their concern: {unnamed}"

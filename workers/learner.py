@@ -6,6 +6,7 @@ learner per agent, so agents train in parallel on separate cores or GPUs.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ class Learner:
                 f.name.startswith(TOKENIZER_FILES)} if folder.is_dir() else {}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
                                            weight_decay=0.01)
+        step_in_backward(self.optimizer)
         gen = self.model.generation_config
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
@@ -134,8 +136,7 @@ class Learner:
                     f"agent {self.agent_index}: loss is {loss.item()} (not finite); lower "
                     f"agent_learning_rate or check the rewards."
                 )
-            loss.backward()
-            self.optimizer.step()
+            loss.backward()               # each parameter's AdamW step runs in here
             losses.append(float(loss.detach()))
             tokens += int(target.sum().item())
         self.version += 1
@@ -311,6 +312,34 @@ class Learner:
         return int(rng["version"])
 
 
+def step_in_backward(optimizer: Any) -> None:
+    """Run `optimizer`'s step for each parameter as soon as backward has its gradient, then
+    drop that gradient: the gradients of the whole model never exist at once, and none is
+    kept between updates (4 bytes per parameter less at the update's peak and after it).
+
+    The update computes no global gradient norm (no clipping), and AdamW updates each
+    parameter from its own gradient and state alone, so this is the very same arithmetic as
+    one `step()` after backward (tests/test_learner_memory.py compares them bit for bit).
+    A parameter is used by nothing backward still needs once its gradient is complete (the
+    hook fires after the last accumulation, tied weights included), so stepping it then
+    changes no other gradient; an in-place change autograd still needed would raise."""
+    group = optimizer.param_groups[0]
+    everyone = group["params"]
+    if len(optimizer.param_groups) != 1:
+        raise ValueError("step_in_backward takes an optimizer with one parameter group")
+
+    def step(param: Any) -> None:
+        group["params"] = [param]         # step() visits this parameter alone
+        try:
+            optimizer.step()
+        finally:
+            group["params"] = everyone
+        param.grad = None
+
+    for param in everyone:
+        param.register_post_accumulate_grad_hook(step)
+
+
 def _state_files(name: str, files: dict[str, str]) -> dict[str, str]:
     """{file: digest} of the weight, AdamW and RNG files under `name`/ in `files`."""
     prefix = f"{name}/"
@@ -319,17 +348,106 @@ def _state_files(name: str, files: dict[str, str]) -> dict[str, str]:
             if file.endswith(".safetensors") or file in (OPTIMIZER_FILE, RNG_FILE)}
 
 
-def pull_weights(learners: list, models: list) -> None:
-    """Copy the learners' (Ray actors') weights into `models`. As NumPy arrays
-    (`export_weights`), Ray stores them with one copy and hands them over without another;
-    pickled tensors took 6 s at 76.6M (BENCHMARKS.md)."""
+PULL_BUCKET_BYTES = 128 * 1024 * 1024
+"""How much of a learner's weights is in flight at once on their way back to the user's
+model (two buckets: the one being read and the next, being written)."""
+
+
+def pull_weights(learners: list, models: list, bucket_bytes: int | None = None) -> None:
+    """Copy the learners' (Ray actors') final weights into `models`, a bucket at a time.
+
+    Each weight of the user's model gets fresh memory filled from its learner's, so neither
+    side ever holds a second copy of a whole model: one export of the whole state dict made
+    each 358M agent host 1.4 GB larger, and was where Ray's memory monitor killed them. A
+    learner on the driver's node writes each bucket into one of two tmpfs files that the
+    driver reads straight into the new tensors. Through the object store, freed buckets stay
+    until Ray's batched free (about a second), so most of a model would pile up there; that
+    is the way only for a learner on another node."""
+    import ray
+    import torch
+
+    from workers.launch import ray_get
+    from workers.transport import plan_layout, unpack_weights
+
+    bucket_bytes = bucket_bytes or PULL_BUCKET_BYTES
+    here = ray.get_runtime_context().get_node_id()
+    for agent, (learner, model) in enumerate(zip(learners, models)):
+        what = f"learner of agent {agent}"
+        current = model.state_dict(keep_vars=True)
+        theirs = ray_get(learner.transport_layout.remote(bucket_bytes), what)
+        if dict(zip(theirs["names"], map(list, theirs["shapes"]))) != \
+                {k: list(v.shape) for k, v in current.items()}:
+            # Not the same architecture: the strict load names the difference.
+            model.load_state_dict(unpack_weights(ray_get(learner.export_weights.remote(), what),
+                                                 copy=False))
+            continue
+        first: dict[int, str] = {}        # tied weights are one tensor, pulled once
+        for name, tensor in current.items():
+            first.setdefault(id(tensor), name)
+        dtypes = dict(zip(theirs["names"], theirs["dtypes"]))
+        layout = plan_layout([(n, list(current[n].shape), dtypes[n]) for n in first.values()],
+                             bucket_bytes)
+        buckets = [[(layout["names"][i], getattr(torch, layout["dtypes"][i]))
+                    for i in b["params"]] for b in layout["buckets"]]
+        local = ray_get(learner.node_info.remote(), what)["node_id"] == here
+        if local and os.path.isdir("/dev/shm"):
+            _pull_through_files(learner, current, buckets, what)
+        else:
+            _pull_through_store(learner, current, buckets, what)
+
+
+def _pull_through_files(learner: Any, current: dict, buckets: list, what: str) -> None:
+    """The learner writes bucket i+1 into one tmpfs file while the driver reads bucket i
+    from the other straight into the model's new tensors."""
+    import tempfile
+
+    import torch
+
+    from workers.launch import ray_get
+
+    with tempfile.TemporaryDirectory(prefix="comlrl-pull-", dir="/dev/shm") as folder:
+        slots = [os.path.join(folder, f"bucket-{i}") for i in range(2)]
+        pending = learner.export_to_file.remote([n for n, _ in buckets[0]], slots[0])
+        for index, bucket in enumerate(buckets):
+            ray_get(pending, what)
+            if index + 1 < len(buckets):
+                pending = learner.export_to_file.remote(
+                    [n for n, _ in buckets[index + 1]], slots[(index + 1) % 2])
+            with open(slots[index % 2], "rb") as f, torch.no_grad():
+                for name, dtype in bucket:
+                    target = current[name]
+                    fresh = torch.empty_like(target)
+                    raw = fresh if fresh.dtype == dtype else \
+                        torch.empty(target.shape, dtype=dtype)
+                    view = raw.reshape(-1).view(torch.uint8).numpy()
+                    if f.readinto(view) != view.nbytes:
+                        raise RuntimeError(f"{what}: the weights file of {name} is short")
+                    if raw is not fresh:
+                        fresh.copy_(raw)
+                    target.data = fresh
+
+
+def _pull_through_store(learner: Any, current: dict, buckets: list, what: str) -> None:
+    """A bucket at a time through Ray's object store (`export_weights(names)`), the next one
+    asked for while this one is copied."""
+    import torch
+
     from workers.launch import ray_get
     from workers.transport import unpack_weights
 
-    states = ray_get([learner.export_weights.remote() for learner in learners], "learners")
-    for model, packed in zip(models, states):
-        # strict: every weight, nothing else; each is copied out of the store
-        into_fresh_memory(model, unpack_weights(packed, copy=False))
+    def ask(i: int) -> Any:
+        return learner.export_weights.remote([n for n, _ in buckets[i]])
+
+    pending = ask(0)
+    for index in range(len(buckets)):
+        packed = ray_get(pending, what)
+        pending = ask(index + 1) if index + 1 < len(buckets) else None
+        with torch.no_grad():
+            for name, value in unpack_weights(packed, copy=False).items():
+                fresh = torch.empty_like(current[name])
+                fresh.copy_(value)
+                current[name].data = fresh
+        del packed
 
 
 def into_fresh_memory(model: Any, weights: dict) -> None:

@@ -214,9 +214,31 @@ class LearnerEndpoint:
     def node_info(self) -> dict:
         return {**_node_info(), "gpu_uuid": _gpu_uuid()}
 
-    def export_weights(self) -> dict:
-        """This learner's weights for the object store (`pack_weights`)."""
-        return pack_weights(self.model.state_dict())
+    def export_weights(self, names: list[str] | None = None) -> dict:
+        """This learner's weights for the object store (`pack_weights`): all of them, or
+        those of `names` (one bucket of the pull back at the end of train())."""
+        state = self.model.state_dict()
+        if names is not None:
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise KeyError(f"agent {getattr(self, 'agent_index', '?')}: the learner's "
+                               f"model has no weight(s) {missing[:3]}")
+            state = {n: state[n] for n in names}
+        return pack_weights(state)
+
+    def export_to_file(self, names: list[str], path: str) -> int:
+        """Write the raw bytes of the weights `names`, in order, into the file `path` (a
+        tmpfs file the driver on this node reads next, `workers.learner.pull_weights`);
+        returns the bytes written."""
+        import torch
+
+        state = self.model.state_dict()
+        written = 0
+        with open(path, "wb") as f:
+            for name in names:
+                t = state[name].detach().to("cpu").contiguous()
+                written += f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return written
 
     def transport_layout(self, bucket_bytes: int) -> dict:
         params = [(k, list(v.shape), str(v.dtype).split(".")[-1])

@@ -1,0 +1,130 @@
+"""Memory: the hand-back of the final weights streams, the user's models end with the trained
+weights, and a start-then-resume keeps doing both (issue 34)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_train_e2e import make_trainer
+
+pytestmark = pytest.mark.e2e
+
+BUCKET = 2 * 1024 * 1024
+"""The pull-back's bucket in this test: the 10M model's 40 MB are 20 buckets here."""
+
+
+def _status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (the peak since the last reset) of a process, in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _reset_peak(pid: int) -> None:
+    """Start the process's VmHWM over from its RSS now (Linux: clear_refs 5)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def _used() -> int:
+    """Memory in use on the machine (MemTotal - MemAvailable; tmpfs files count), bytes."""
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info[key] = int(value.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class _MachinePeak:
+    """The most memory in use above the start, sampled every millisecond while the block runs:
+    it sees the tmpfs files and object-store bytes no process's RSS shows."""
+
+    def __enter__(self):
+        import threading
+
+        self.start, self.peak, self.stop = _used(), 0, threading.Event()
+
+        def sample():
+            while not self.stop.wait(0.001):
+                self.peak = max(self.peak, _used() - self.start)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, _used() - self.start)
+
+
+@pytest.fixture(scope="module")
+def ten_m_model(tmp_path_factory) -> str:
+    from comlrl.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "10m", seed=0,
+                                hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                                intermediate_size=1024))
+
+
+def test_final_weights_come_back_a_bucket_at_a_time_in_a_start_then_resume(
+        ray_session, ten_m_model, wandb_dir, tmp_path, monkeypatch):
+    """While the final weights come back to the user's models: each learner process's peak
+    grows by less than a quarter of the model's bytes, and the machine's memory in use by
+    less than the user's two models' new memory plus half a model (the pull streams 2 MiB
+    buckets through two tmpfs files; one export of the whole state dict into the object store
+    grew each learner and the machine by a whole model per agent, and was where Ray killed
+    the 358M seed run). The user's models then hold exactly the weights of the last
+    checkpoint, after the first train() and after the resumed one. Colocated hosts, the layout
+    of a local run."""
+    import ray
+    import torch
+    from safetensors.torch import load_file
+
+    import workers.learner as learner_module
+
+    monkeypatch.setattr(learner_module, "PULL_BUCKET_BYTES", BUCKET)
+    original = learner_module.pull_weights
+    growth: list[tuple[int, int, int]] = []
+    machine_growth: list[tuple[int, int]] = []
+
+    def measured(learners, models, bucket_bytes=None):
+        pids = [ray.get(learner.node_info.remote())["pid"] for learner in learners]
+        before = {}
+        for pid in pids:
+            _reset_peak(pid)
+            before[pid] = _status(pid)["VmRSS"]
+        with _MachinePeak() as machine:
+            original(learners, models, bucket_bytes)
+        model_bytes = sum(p.numel() * p.element_size() for p in models[0].parameters())
+        growth.extend((pid, _status(pid)["VmHWM"] - before[pid], model_bytes) for pid in pids)
+        machine_growth.append((machine.peak, model_bytes))
+
+    monkeypatch.setattr(learner_module, "pull_weights", measured)
+    ckpt = tmp_path / "ckpt"
+    first = make_trainer(ten_m_model, num_train_epochs=1, colocate=True)
+    first.train(checkpoint_dir=str(ckpt), checkpoint_interval=1)
+    second = make_trainer(ten_m_model, num_train_epochs=2, colocate=True)
+    second.train(checkpoint_dir=str(ckpt), checkpoint_interval=1,
+                 resume_from_checkpoint=str(ckpt / "checkpoint-1"))
+    assert len(growth) == 4                        # two agents, two train() calls
+    for pid, grew, model_bytes in growth:
+        assert model_bytes > 35e6
+        assert grew < model_bytes / 4, (pid, grew, model_bytes)
+    for peak, model_bytes in machine_growth:
+        # The user's two models get new memory (2 models); the rest is in flight.
+        assert peak < 2.5 * model_bytes, (peak, model_bytes)
+    for trainer, checkpoint in ((first, "checkpoint-1"), (second, "checkpoint-2")):
+        for i, agent in enumerate(trainer.agents):
+            saved = load_file(str(ckpt / checkpoint / f"agent_{i}" / "model.safetensors"))
+            state = agent.state_dict()
+            assert saved.keys() == state.keys()
+            for name, value in saved.items():
+                assert torch.equal(state[name], value), (checkpoint, i, name)
+    start = make_trainer(ten_m_model).agents[0].state_dict()
+    assert not torch.equal(second.agents[0].state_dict()["lm_head.weight"],
+                           start["lm_head.weight"])
