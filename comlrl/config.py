@@ -34,6 +34,7 @@ RESUMABLE_FIELDS = frozenset({
     # comlrl's placement fields: where agents and reference copies live, never what they compute.
     "agent_devices", "parallel_training", "reference_devices",
     "weight_bucket_bytes", "skip_callable_fingerprints", "max_actor_restarts", "colocate",
+    "memory_check",
 })
 
 
@@ -151,6 +152,10 @@ class MAGRPOConfig:
     """Times one run may restart its learners and checkpointer after one of them dies, each
     time restoring every learner from the newest checkpoint (values stay the same as an
     uninterrupted run); past it the run fails, naming the actor and how to resume."""
+    memory_check: bool = True
+    """Before any actor starts, estimate the memory the run needs on this machine (or GPU)
+    from the agents' parameter counts and the layout, and refuse a run that will not fit,
+    naming the settings that help (`workers/memory.py`); False skips the check."""
     weight_bucket_bytes: int = 256 * 1024 * 1024
     """Bucket size of the bucketed broadcast / CUDA IPC weight transports (>= 1 MiB): weights
     travel in buckets of at most this many bytes. Replaces the environment variable
@@ -262,6 +267,8 @@ class MAGRPOConfig:
                 self.max_actor_restarts, int) or self.max_actor_restarts < 0:
             raise ValueError(f"max_actor_restarts must be an int >= 0 "
                              f"(got {self.max_actor_restarts!r}).")
+        if not isinstance(self.memory_check, bool):
+            raise ValueError(f"memory_check must be True or False (got {self.memory_check!r}).")
         if not self.placement_timeout_s > 0:
             raise ValueError(
                 f"placement_timeout_s must be > 0 (got {self.placement_timeout_s!r}).")
