@@ -37,6 +37,9 @@ _WARM: dict = {}
 class ActorFailure(RuntimeError):
     """A Ray actor died; the message says which one and why."""
 
+    out_of_memory = False
+    """Killed by Ray's memory monitor: restarting it would only be killed again."""
+
 
 def object_store_bytes(state_dict_bytes: int) -> int:
     """Object store for a local Ray: every agent's state dict twice (the pushed copy and the
@@ -160,11 +163,20 @@ def ray_get(refs: Any, what: str) -> Any:
     as ActorFailure naming `what` and Ray's stated cause.
     """
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import OutOfMemoryError, RayActorError
 
     try:
         return ray.get(refs)
-    except RayActorError as exc:
+    except (OutOfMemoryError, RayActorError) as exc:
+        text = str(exc)
+        if isinstance(exc, OutOfMemoryError) or "low on memory" in text:
+            # Ray's report is a page (the object store, every worker, its advice): one
+            # sentence instead; the page stays on the exception for whoever wants it.
+            from workers.memory import oom_sentence
+
+            failure = ActorFailure(oom_sentence(what, text))
+            failure.ray_report, failure.out_of_memory = text, True
+            raise failure from None
         raise ActorFailure(f"{what}: the Ray actor died: {exc}") from exc
 
 

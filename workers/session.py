@@ -148,6 +148,11 @@ class Session:
         warm = take_warm(key) if self.started_ray and not self.for_eval else drop_warm()
         if warm is not None:
             use_folders(warm, folders)
+        elif args.memory_check and self.started_ray:
+            # This machine holds the whole run: refuse now what Ray would kill part-way.
+            from workers.memory import preflight
+
+            preflight(trainer, plan, [str(f) for f in folders], settings)
         actors = warm or start_actors(trainer, self.logs, key, settings, needs, plan, folders,
                                       self.fingerprints["models"], self.for_eval,
                                       local=self.started_ray)
@@ -224,8 +229,8 @@ class Session:
                 if not is_alive(learner)]
         if self.checkpointer is not None and not is_alive(self.checkpointer):
             dead.append("checkpointer")
-        if not dead:
-            raise failure
+        if not dead or getattr(failure, "out_of_memory", False):
+            raise failure                   # killed for memory: a restart would be too
         self.actor_restarts += 1
         newest = list_checkpoints(self.checkpoint_dir, self.run_uid) if self.checkpoint_dir \
             else []

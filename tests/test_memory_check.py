@@ -1,0 +1,59 @@
+"""The memory estimate, the refusal of a run that will not fit, and Ray's OOM report in one
+sentence (issue 34). Pure logic of workers/memory.py, no Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workers.memory import GB, advice, check_fits, estimate, oom_sentence
+
+REPORT = (Path(__file__).parent / "data" / "ray_oom_report.txt").read_text()
+"""What Ray 2.60 raised (OutOfMemoryError) when its monitor killed the 358M seed run here."""
+
+
+def test_the_estimate_adds_learner_engine_and_processes_per_agent():
+    """Two colocated 358M agents, fp32 engines: 12 bytes per parameter of learner weights and
+    AdamW, 4 of engine weights, the activations' share, one process per agent + the driver."""
+    p = 358_000_000
+    e = estimate([p, p], colocated=True, engines_per_agent=1, engine_bytes_per_param=4,
+                 reference=False, kv_cache_bytes=10_000_000)
+    assert e.parts["learner weights + AdamW"] == 24 * p
+    assert e.parts["engine weights"] == 8 * p
+    assert e.parts["KV caches"] == 20_000_000
+    assert e.total == sum(e.parts.values())
+    split = estimate([p, p], colocated=False, engines_per_agent=2, engine_bytes_per_param=2,
+                     reference=True)
+    assert split.parts["engine weights"] == 2 * 2 * 2 * p
+    assert split.parts["reference models"] == 8 * p
+    assert split.parts["processes"] > e.parts["processes"]      # 6 processes against 2
+
+
+def test_a_run_that_will_not_fit_is_refused_naming_the_settings_that_help():
+    p = 494_000_000
+    need = estimate([p] * 4, colocated=False, engines_per_agent=2, engine_bytes_per_param=4,
+                    reference=True)
+    tips = advice(False, 4, 2, True)
+    with pytest.raises(MemoryError) as info:
+        check_fits(need, int(20 * GB), num_agents=4, params=[p] * 4, tips=tips)
+    text = str(info.value)
+    for setting in ("engine_dtype='bfloat16'", "rollout_workers_per_agent=1", "colocate=True",
+                    "reference_kl_enabled=False", "memory_check=False"):
+        assert setting in text, setting
+    assert "20.0 GB available" in text and "494M parameters" in text
+    check_fits(need, need.total, num_agents=4, params=[p] * 4, tips=tips)   # fits: silent
+    check_fits(need, None, num_agents=4, params=[p] * 4, tips=tips)         # unknown: silent
+
+
+def test_rays_oom_report_becomes_one_sentence_naming_the_actors_and_their_memory():
+    """Ray's page (object store, every worker, advice) becomes one line: the two actors Ray
+    selected (not the one it only considered), their memory, the machine's, and the fix."""
+    text = oom_sentence("learners", REPORT)
+    assert "\n" not in text
+    assert text.startswith("learners: Ray's memory monitor killed ")
+    assert "Checkpointer (pid 5477, 0.1 GB)" in text and "AgentHost (pid 5436, 10.6 GB)" in text
+    assert "5435" not in text                                 # considered, not selected
+    assert "22.6 of 23.5 GB in use" in text
+    assert "engine_dtype='bfloat16'" in text
+    assert oom_sentence("x", "nothing Ray said").startswith("x: Ray's memory monitor killed an actor")

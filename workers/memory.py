@@ -1,0 +1,182 @@
+"""Memory: will the run fit, said before it starts, and a kill by Ray's memory monitor said
+in one sentence.
+
+`estimate` adds up what a run holds at its fullest moment (an update), from the agents'
+parameter counts and the layout; `check_fits` refuses a run above the memory this machine
+has available (or a GPU's memory), naming the settings that help. Pure functions of their
+arguments apart from `available_bytes`, so the arithmetic is unit-tested without Ray.
+The per-part sizes are those measured by benchmarks/bench_memory.py (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+PROCESS_BYTES = int(0.6 * GB)
+"""Resident memory of one actor process with torch, transformers and vLLM imported, before
+any weights (0.45-0.6 GB here)."""
+DRIVER_BYTES = int(1.0 * GB)
+"""The driver and Ray's own processes (GCS, raylet, dashboard agent, checkpointer)."""
+ACTIVATION_FRACTION = 0.75
+"""Activations and allocator slack of an update, as bytes per parameter (a learner's
+weights + AdamW: 12); measured 0.5-1.0 on the seed example's 64-token completions."""
+
+
+@dataclass
+class Estimate:
+    total: int
+    parts: dict[str, int]
+    """What the total is made of, bytes by part (for the message)."""
+
+
+def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
+             engine_bytes_per_param: int, reference: bool, kv_cache_bytes: int = 0,
+             learner_on_gpu: bool = False, engines_on_gpu: bool = False) -> Estimate:
+    """Bytes in use at a run's fullest moment on the machine's memory (CPU side).
+
+    Per agent: the learner's fp32 weights (4 bytes per parameter) and AdamW's two moments (8;
+    gradients live one parameter at a time, workers/learner.step_in_backward), a reference
+    copy (4) with reference KL, activations; each engine's weights in its dtype plus its
+    KV cache; one process per learner and per engine (one per agent when colocated, for the
+    first engine). The user's own models are file-mapped until the final weights come back,
+    when the learners' activations are long freed, so they do not add to the peak."""
+    parts: dict[str, int] = {}
+    total_params = sum(params)
+    if not learner_on_gpu:
+        parts["learner weights + AdamW"] = 12 * total_params
+        parts["activations"] = int(ACTIVATION_FRACTION * 12 * total_params)
+        if reference:
+            parts["reference models"] = 4 * total_params
+    if not engines_on_gpu:
+        parts["engine weights"] = engines_per_agent * engine_bytes_per_param * total_params
+        parts["KV caches"] = engines_per_agent * len(params) * kv_cache_bytes
+    processes = len(params) * (engines_per_agent + (0 if colocated else 1))
+    parts["processes"] = processes * PROCESS_BYTES + DRIVER_BYTES
+    return Estimate(sum(parts.values()), parts)
+
+
+def gpu_estimate(largest_params: int, *, reference: bool) -> int:
+    """Bytes one learner needs on its GPU: weights, AdamW, activations, a reference copy."""
+    per_param = 12 * (1 + ACTIVATION_FRACTION) + (4 if reference else 0)
+    return int(per_param * largest_params)
+
+
+def available_bytes() -> int | None:
+    """Memory available to a new process on this machine (Linux MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def advice(colocated: bool, engine_bytes_per_param: int, engines_per_agent: int,
+           reference: bool) -> list[str]:
+    """The settings that lower the estimate, in the order they help most."""
+    out = []
+    if engine_bytes_per_param > 2:
+        out.append("engine_dtype='bfloat16' (engine weights 2 bytes per parameter instead "
+                   f"of {engine_bytes_per_param})")
+    if engines_per_agent > 1:
+        out.append(f"rollout_workers_per_agent=1 (now {engines_per_agent}: one engine copy of "
+                   f"each model per worker)")
+    if not colocated:
+        out.append("colocate=True (one process per agent instead of two)")
+    if reference:
+        out.append("reference_kl_enabled=False (no reference copy of each model)")
+    out.append("fewer or smaller agents, or a machine with more memory")
+    return out
+
+
+def check_fits(need: Estimate, available: int | None, *, num_agents: int, params: list[int],
+               tips: list[str]) -> None:
+    """Refuse, before anything starts, a run whose estimate exceeds the available memory."""
+    if available is None or need.total <= available:
+        return
+    parts = ", ".join(f"{name} {size / GB:.1f}" for name, size in need.parts.items())
+    raise MemoryError(
+        f"This run needs about {need.total / GB:.1f} GB of memory at its fullest (an update) "
+        f"and this machine has {available / GB:.1f} GB available: {num_agents} agent(s) of "
+        f"{max(params) / 1e6:.0f}M parameters ({parts} GB). Settings that help: "
+        f"{'; '.join(tips)}. MAGRPOConfig(memory_check=False) skips this estimate.")
+
+
+def check_gpu_fits(need: int, device_bytes: int, share: float) -> None:
+    """Refuse a learner that will not fit its GPU (`share`: the part the engine leaves it)."""
+    have = device_bytes * share
+    if need > have:
+        raise MemoryError(
+            f"A learner needs about {need / GB:.1f} GB of GPU memory (fp32 weights, AdamW "
+            f"and activations) and its GPU leaves it {have / GB:.1f} GB. Settings that help: "
+            f"a lower gpu_memory_utilization when the engine shares the GPU, learners on "
+            f"their own GPUs (single_gpu=False), or smaller agents. "
+            f"MAGRPOConfig(memory_check=False) skips this estimate.")
+
+
+_KILLED = re.compile(r"^Selected to kill: .*?task name=(?P<task>[\w.]+).*?pid=(?P<pid>\d+), "
+                     r"actual memory used=(?P<used>[\d.]+)GB", re.MULTILINE)
+_NODE = re.compile(r"was (?P<used>[\d.]+)GB used / (?P<limit>[\d.]+)GB limit")
+
+
+def oom_sentence(what: str, report: str) -> str:
+    """One sentence for a kill by Ray's memory monitor: which actor, its memory, the node's,
+    and the fix, from Ray's `report` (a page: the object store, every worker, advice)."""
+    killed = [m.groupdict() for m in _KILLED.finditer(report)]
+    node = _NODE.search(report)
+    who = ", ".join(f"{k['task'].split('.')[0]} (pid {k['pid']}, {float(k['used']):.1f} GB)"
+                    for k in killed) or "an actor"
+    where = (f" when the machine had {float(node['used']):.1f} of {float(node['limit']):.1f} "
+             f"GB in use" if node else "")
+    return (f"{what}: Ray's memory monitor killed {who}{where}; the run needs more memory "
+            f"than this machine has: use engine_dtype='bfloat16', fewer or smaller agents, or "
+            f"a machine with more memory (the estimate MAGRPOConfig(memory_check=True) prints "
+            f"names the parts).")
+
+
+def preflight(trainer: object, plan: dict, folders: list[str], settings: dict) -> None:
+    """The check a run makes on the machine it starts from, before any actor starts:
+    on CPU against MemAvailable when this process started the Ray (everything lives here),
+    on a GPU against the device's memory when the learner has one here."""
+    args = trainer.args
+    models = trainer._initial_models()
+    params = [sum(p.numel() for p in m.parameters()) for m in models]
+    reference = bool(getattr(args, "reference_kl_enabled", False))
+    learner_gpu = plan["learner"].num_gpus > 0 or "host" in plan and plan["host"].num_gpus > 0
+    engine_gpu = plan["rollout"].num_gpus > 0 or "host" in plan and plan["host"].num_gpus > 0
+    dtype = settings["engine_kwargs"]["dtype"]
+    if dtype == "auto":
+        from comlrl.engines import _config_dtype
+
+        dtype = _config_dtype(folders[0]) if Path(folders[0]).is_dir() else "float32"
+    engine_bytes = DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
+    colocated = "host" in plan
+    engines = args.rollout_workers_per_agent
+    if learner_gpu:
+        import torch
+
+        if torch.cuda.is_available():
+            share = 1.0 - plan["gpu_memory_utilization"] if (args.single_gpu or engine_gpu
+                                                              and colocated) else 1.0
+            check_gpu_fits(gpu_estimate(max(params), reference=reference),
+                           torch.cuda.get_device_properties(0).total_memory, share)
+        return
+    from comlrl.engines import cpu_kv_cache_bytes
+
+    kw = settings["engine_kwargs"]
+    kv = 0 if engine_gpu or not Path(folders[0]).is_dir() else \
+        kw["kv_cache_memory_bytes"] or cpu_kv_cache_bytes(
+        folders[0], kw["dtype"], kw["max_model_len"], kw["kv_cache_sequences"],
+        kw["kv_cache_tokens"])
+    need = estimate(params, colocated=colocated, engines_per_agent=engines,
+                    engine_bytes_per_param=engine_bytes, reference=reference,
+                    kv_cache_bytes=kv, engines_on_gpu=engine_gpu)
+    check_fits(need, available_bytes(), num_agents=len(params), params=params,
+               tips=advice(colocated, engine_bytes, engines, reference))
