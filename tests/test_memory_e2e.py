@@ -128,3 +128,29 @@ def test_final_weights_come_back_a_bucket_at_a_time_in_a_start_then_resume(
     start = make_trainer(ten_m_model).agents[0].state_dict()
     assert not torch.equal(second.agents[0].state_dict()["lm_head.weight"],
                            start["lm_head.weight"])
+
+
+def test_a_local_run_that_will_not_fit_is_refused_before_any_actor_starts(tiny_model, tmp_path):
+    """The seed config in a new process that starts its own Ray, on a machine that (as the
+    check is told) has 1 GB available: train() raises MemoryError naming the estimate and
+    the settings that help, before any actor starts (no "actors started" line)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, TEST_ENV
+
+    script = (
+        "import workers.memory as memory\n"
+        "memory.available_bytes = lambda: 10**9\n"
+        "from tests.test_train_e2e import make_trainer\n"
+        f"make_trainer({tiny_model!r}).train()\n")
+    env = {**os.environ, **TEST_ENV, "WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode != 0
+    assert "MemoryError: This run needs about" in proc.stdout, proc.stdout[-3000:]
+    assert "1.0 GB available" in proc.stdout
+    assert "engine_dtype='bfloat16'" in proc.stdout and "memory_check=False" in proc.stdout
+    assert "actors started" not in proc.stdout
