@@ -34,7 +34,7 @@ BENCH_ENV = {
     "RAY_TMPDIR": "/tmp/ray-bench",
 }
 
-# The three model shapes of the issue. intermediate_size = 2 x hidden lands each parameter
+# The model shapes: first the three of the issue. intermediate_size = 2 x hidden lands each parameter
 # count on the issue's number (0.43 M, ~10 M, 76.6 M); vocab 512, untied head.
 SIZES = {
     "0.43M": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -43,7 +43,16 @@ SIZES = {
                 intermediate_size=1024),
     "76.6M": dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
                   intermediate_size=2048),
+    # Larger shapes, only on request (--sizes): Qwen2.5-0.5B's layers, first with the small
+    # untied vocabulary, then with its real one (151936 ids, head tied to the embedding:
+    # 494 M parameters). tiny_model pads the tokenizer to the vocabulary with filler tokens.
+    "358M": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                 intermediate_size=4864, vocab_size=512),
+    "0.5B": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
 }
+# What a benchmark runs without --sizes: the issue's three shapes.
+DEFAULT_SIZES = ["0.43M", "10M", "76.6M"]
 
 
 def apply_env() -> None:
@@ -55,7 +64,8 @@ def size_parser(doc: str, short_help: str) -> argparse.ArgumentParser:
     then runs is `short_help`) and --sizes (read with `parse_sizes`)."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--short", action="store_true", help=short_help)
-    p.add_argument("--sizes", help=f"comma list of {', '.join(SIZES)} (default: all)")
+    p.add_argument("--sizes", help=f"comma list of {', '.join(SIZES)} (default: "
+                   f"{','.join(DEFAULT_SIZES)})")
     return p
 
 
@@ -63,7 +73,7 @@ def parse_sizes(text: str | None, short: bool) -> list[str]:
     if short:
         return ["0.43M"]
     if not text:
-        return list(SIZES)
+        return list(DEFAULT_SIZES)
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [n for n in names if n not in SIZES]
     if unknown:
@@ -74,8 +84,12 @@ def parse_sizes(text: str | None, short: bool) -> list[str]:
 def model_path(size: str) -> Path:
     """The model folder of `size`, built once (seed 0) and reused by every benchmark."""
     shape = SIZES[size]
-    folder = MODELS_DIR / (f"{size}-h{shape['hidden_size']}-l{shape['num_layers']}"
-                           f"-i{shape['intermediate_size']}")
+    name = f"{size}-h{shape['hidden_size']}-l{shape['num_layers']}-i{shape['intermediate_size']}"
+    if "vocab_size" in shape or "tie_word_embeddings" in shape:
+        # The issue's three sizes keep their folder names (vocab 512, untied, implied).
+        name += f"-v{shape.get('vocab_size', 512)}"
+        name += "-tied" if shape.get("tie_word_embeddings") else "-untied"
+    folder = MODELS_DIR / name
     if not (folder / "model.safetensors").exists():
         from comlrl.tiny_model import build_tiny_model
 
@@ -166,7 +180,7 @@ def result_name(base: str, short: bool, sizes: list[str], *tags: str) -> str:
     parts = [base]
     if short:
         parts.append("short")
-    elif sizes != list(SIZES):
+    elif sizes != list(DEFAULT_SIZES):
         parts.append("-".join(sizes))
     parts += [t for t in tags if t]
     return "_".join(parts)

@@ -39,12 +39,19 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     vocab_size: int = 512,
     max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """Write a random-weight Qwen2 causal LM and its tokenizer to `output_dir`.
 
     The tokenizer is a byte-level BPE trained on a fixed corpus, with a chat template and
     `<|endoftext|>` as both eos and pad. `hidden_size / num_heads` must be >= 32: vLLM's CPU
     attention needs head_dim >= 32. Returns the folder, loadable by `from_pretrained`.
+
+    The corpus yields a few hundred BPE tokens (538); a larger `vocab_size` (a real model's
+    151936, say) is filled up with plain added tokens `<|filler_ID|>` (not special, so they
+    decode like text), so that len(tokenizer) == vocab_size and every id the model can
+    sample decodes, as vLLM requires. `tie_word_embeddings`: the head shares the embedding
+    matrix (Qwen2.5-0.5B's layout); the checkpoint then stores it once.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -69,6 +76,13 @@ def build_tiny_model(
         show_progress=False,
     )
     bpe.train_from_iterator(_CORPUS, trainer=trainer)
+    trained = bpe.get_vocab_size()
+    if trained < vocab_size:
+        # Only past what the corpus yields, so the smaller vocabularies' files are unchanged.
+        from tokenizers import AddedToken
+
+        bpe.add_tokens([AddedToken(f"<|filler_{i}|>", special=False, normalized=False)
+                        for i in range(trained, vocab_size)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token="<|endoftext|>",
@@ -89,7 +103,7 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         torch_dtype="float32",
     )
     # Seeded generator -> same weights for the same seed, whatever the process did before.
@@ -118,10 +132,18 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=None,
+                        help="MLP width (default: 3 x hidden size)")
+    parser.add_argument("--vocab-size", type=int, default=512,
+                        help="past the corpus's 538 BPE tokens, filled with <|filler_ID|>")
+    parser.add_argument("--tie-word-embeddings", action="store_true",
+                        help="the head shares the embedding matrix")
     a = parser.parse_args()
     print(build_tiny_model(a.output_dir, seed=a.seed, hidden_size=a.hidden_size,
                            num_layers=a.num_layers, num_heads=a.num_heads,
-                           num_kv_heads=a.num_kv_heads))
+                           num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size,
+                           vocab_size=a.vocab_size,
+                           tie_word_embeddings=a.tie_word_embeddings))
 
 
 if __name__ == "__main__":
