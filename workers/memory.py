@@ -36,15 +36,17 @@ class Estimate:
 
 def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
              engine_bytes_per_param: int, reference: bool, kv_cache_bytes: int = 0,
-             learner_on_gpu: bool = False, engines_on_gpu: bool = False) -> Estimate:
+             learner_on_gpu: bool = False, engines_on_gpu: bool = False,
+             user_bytes_per_param: int = 4) -> Estimate:
     """Bytes in use at a run's fullest moment on the machine's memory (CPU side).
 
     Per agent: the learner's fp32 weights (4 bytes per parameter) and AdamW's two moments (8;
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference
     copy (4) with reference KL, activations; each engine's weights in its dtype plus its
     KV cache; one process per learner and per engine (one per agent when colocated, for the
-    first engine). The user's own models are file-mapped until the final weights come back,
-    when the learners' activations are long freed, so they do not add to the peak."""
+    first engine). The user's own models are file-mapped until the final weights come back
+    into new memory of theirs (`user_bytes_per_param`, their dtype) while the learners and
+    engines still hold theirs: measured at 358M, that hand-back was the run's peak."""
     parts: dict[str, int] = {}
     total_params = sum(params)
     if not learner_on_gpu:
@@ -55,6 +57,7 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     if not engines_on_gpu:
         parts["engine weights"] = engines_per_agent * engine_bytes_per_param * total_params
         parts["KV caches"] = engines_per_agent * len(params) * kv_cache_bytes
+    parts["final weights in the user's models"] = user_bytes_per_param * total_params
     processes = len(params) * (engines_per_agent + (0 if colocated else 1))
     parts["processes"] = processes * PROCESS_BYTES + DRIVER_BYTES
     return Estimate(sum(parts.values()), parts)
@@ -175,8 +178,10 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict) -
         kw["kv_cache_memory_bytes"] or cpu_kv_cache_bytes(
         folders[0], kw["dtype"], kw["max_model_len"], kw["kv_cache_sequences"],
         kw["kv_cache_tokens"])
+    user_bytes = max(p.element_size() for p in models[0].parameters())
     need = estimate(params, colocated=colocated, engines_per_agent=engines,
                     engine_bytes_per_param=engine_bytes, reference=reference,
-                    kv_cache_bytes=kv, engines_on_gpu=engine_gpu)
+                    kv_cache_bytes=kv, engines_on_gpu=engine_gpu,
+                    user_bytes_per_param=user_bytes)
     check_fits(need, available_bytes(), num_agents=len(params), params=params,
                tips=advice(colocated, engine_bytes, engines, reference))
