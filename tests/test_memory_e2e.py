@@ -1,5 +1,6 @@
-"""Memory: the hand-back of the final weights streams, the user's models end with the trained
-weights, and a start-then-resume keeps doing both (issue 34)."""
+"""Memory: the final weights reach the user's models without a second copy (mapped from the
+last checkpoint, or streamed a bucket at a time), in a start-then-resume; a run that will not
+fit is refused before it starts (issue 34)."""
 
 from __future__ import annotations
 
@@ -71,26 +72,32 @@ def ten_m_model(tmp_path_factory) -> str:
                                 intermediate_size=1024))
 
 
-def test_final_weights_come_back_a_bucket_at_a_time_in_a_start_then_resume(
+def test_final_weights_come_back_without_a_second_copy_in_a_start_then_resume(
         ray_session, ten_m_model, wandb_dir, tmp_path, monkeypatch):
-    """While the final weights come back to the user's models: each learner process's peak
-    grows by less than a quarter of the model's bytes, and the machine's memory in use by
-    less than the user's two models' new memory plus half a model (the pull streams 2 MiB
-    buckets through two tmpfs files; one export of the whole state dict into the object store
+    """How the final weights reach the user's models, and what that costs in memory.
+
+    With checkpoints (a start, then a resume): the last checkpoint holds exactly the final
+    weights, so each agent's weights are mapped from its safetensors file: the machine's
+    memory in use grows by less than a fifth of one model meanwhile, the bucketed pull never
+    runs, and the models hold exactly that checkpoint's weights. Without a checkpoint: the
+    pull streams 2 MiB buckets through two tmpfs files, each learner process's peak grows by
+    less than a quarter of the model's bytes and the machine's by less than the two models'
+    new memory plus half a model (one export of the whole state dict into the object store
     grew each learner and the machine by a whole model per agent, and was where Ray killed
-    the 358M seed run). The user's models then hold exactly the weights of the last
-    checkpoint, after the first train() and after the resumed one. Colocated hosts, the layout
-    of a local run."""
+    the 358M seed run). Colocated hosts, the layout of a local run."""
     import ray
     import torch
     from safetensors.torch import load_file
 
     import workers.learner as learner_module
+    import workers.session as session_module
 
     monkeypatch.setattr(learner_module, "PULL_BUCKET_BYTES", BUCKET)
-    original = learner_module.pull_weights
+    original_pull, original_session_pull = learner_module.pull_weights, \
+        session_module.Session.pull_weights
     growth: list[tuple[int, int, int]] = []
     machine_growth: list[tuple[int, int]] = []
+    session_growth: list[int] = []
 
     def measured(learners, models, bucket_bytes=None):
         pids = [ray.get(learner.node_info.remote())["pid"] for learner in learners]
@@ -99,25 +106,29 @@ def test_final_weights_come_back_a_bucket_at_a_time_in_a_start_then_resume(
             _reset_peak(pid)
             before[pid] = _status(pid)["VmRSS"]
         with _MachinePeak() as machine:
-            original(learners, models, bucket_bytes)
+            original_pull(learners, models, bucket_bytes)
         model_bytes = sum(p.numel() * p.element_size() for p in models[0].parameters())
         growth.extend((pid, _status(pid)["VmHWM"] - before[pid], model_bytes) for pid in pids)
         machine_growth.append((machine.peak, model_bytes))
 
+    def session_pull(self):
+        with _MachinePeak() as machine:
+            original_session_pull(self)
+        session_growth.append(machine.peak)
+
     monkeypatch.setattr(learner_module, "pull_weights", measured)
+    monkeypatch.setattr(session_module.Session, "pull_weights", session_pull)
     ckpt = tmp_path / "ckpt"
     first = make_trainer(ten_m_model, num_train_epochs=1, colocate=True)
     first.train(checkpoint_dir=str(ckpt), checkpoint_interval=1)
     second = make_trainer(ten_m_model, num_train_epochs=2, colocate=True)
     second.train(checkpoint_dir=str(ckpt), checkpoint_interval=1,
                  resume_from_checkpoint=str(ckpt / "checkpoint-1"))
-    assert len(growth) == 4                        # two agents, two train() calls
-    for pid, grew, model_bytes in growth:
-        assert model_bytes > 35e6
-        assert grew < model_bytes / 4, (pid, grew, model_bytes)
-    for peak, model_bytes in machine_growth:
-        # The user's two models get new memory (2 models); the rest is in flight.
-        assert peak < 2.5 * model_bytes, (peak, model_bytes)
+    model_bytes = sum(p.numel() * p.element_size() for p in first.agents[0].parameters())
+    assert model_bytes > 35e6
+    assert growth == [] and len(session_growth) == 2          # mapped, never pulled
+    for peak in session_growth:
+        assert peak < model_bytes / 5, (peak, model_bytes)
     for trainer, checkpoint in ((first, "checkpoint-1"), (second, "checkpoint-2")):
         for i, agent in enumerate(trainer.agents):
             saved = load_file(str(ckpt / checkpoint / f"agent_{i}" / "model.safetensors"))
@@ -125,9 +136,19 @@ def test_final_weights_come_back_a_bucket_at_a_time_in_a_start_then_resume(
             assert saved.keys() == state.keys()
             for name, value in saved.items():
                 assert torch.equal(state[name], value), (checkpoint, i, name)
+    # No checkpoint: the bucketed pull, from the learners' live state.
+    third = make_trainer(ten_m_model, num_train_epochs=1, colocate=True)
+    third.train()
+    assert len(growth) == 2 and len(machine_growth) == 1     # two learners, one pull
+    for pid, grew, size in growth:
+        assert grew < size / 4, (pid, grew, size)
+    for peak, size in machine_growth:
+        # The user's two models get new memory (2 models); the rest is in flight.
+        assert peak < 2.5 * size, (peak, size)
     start = make_trainer(ten_m_model).agents[0].state_dict()
-    assert not torch.equal(second.agents[0].state_dict()["lm_head.weight"],
-                           start["lm_head.weight"])
+    for trainer in (second, third):
+        assert not torch.equal(trainer.agents[0].state_dict()["lm_head.weight"],
+                               start["lm_head.weight"])
 
 
 def test_a_local_run_that_will_not_fit_is_refused_before_any_actor_starts(tiny_model, tmp_path):

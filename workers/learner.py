@@ -396,6 +396,51 @@ def pull_weights(learners: list, models: list, bucket_bytes: int | None = None) 
             _pull_through_store(learner, current, buckets, what)
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16",
+                       "F64": "float64", "I64": "int64", "I32": "int32", "U8": "uint8",
+                       "BOOL": "bool"}
+
+
+def map_checkpoint_weights(model: Any, folder: Path) -> bool:
+    """Point every weight of `model` at its bytes in `folder`'s safetensors files, mapped
+    copy-on-write (a write to a weight copies that page, as with `from_pretrained`'s
+    mapping). False, with the model unchanged, unless the files hold every weight of the
+    model with its shape and dtype. Files removed later (an older checkpoint rotated out)
+    stay readable through the mapping; this project never rewrites a checkpoint file."""
+    import json
+    import mmap
+    import struct
+
+    import torch
+
+    found: dict[str, Any] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        for name, info in header.items():
+            dtype = getattr(torch, _SAFETENSORS_DTYPES.get(info.get("dtype", ""), ""), None) \
+                if name != "__metadata__" else None
+            if dtype is None:
+                continue
+            start, end = info["data_offsets"]
+            count = (end - start) // torch.empty((), dtype=dtype).element_size()
+            found[name] = torch.empty(info["shape"], dtype=dtype) if count == 0 else \
+                torch.frombuffer(mapped, dtype=dtype, count=count,
+                                 offset=8 + length + start).view(info["shape"])
+    current = model.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    for name, tensor in current.items():
+        first.setdefault(id(tensor), name)
+    if any(name not in found or found[name].shape != current[name].shape
+           or found[name].dtype != current[name].dtype for name in first.values()):
+        return False
+    for name in first.values():
+        current[name].data = found[name]
+    return True
+
+
 def _pull_through_files(learner: Any, current: dict, buckets: list, what: str) -> None:
     """The learner writes bucket i+1 into one tmpfs file while the driver reads bucket i
     from the other straight into the model's new tensors."""

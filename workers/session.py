@@ -447,7 +447,24 @@ class Session:
         return path
 
     def pull_weights(self) -> None:
-        """Copy the learners' final weights into the trainer's agents (for save_model)."""
-        from workers.learner import pull_weights
+        """The learners' final weights into the trainer's agents (for save_model). Where this
+        run's last checkpoint holds exactly them (written after the last update, and this
+        process sees its folder), each agent's weights are mapped from its safetensors file
+        instead, as `from_pretrained` maps a model: memory the kernel can reclaim, not a new
+        copy per agent (at 358M that copy was the run's peak, BENCHMARKS.md section 7)."""
+        from comlrl.checkpoint import read_checkpoint_metadata
+        from workers.launch import ray_get
+        from workers.learner import map_checkpoint_weights, pull_weights
 
-        pull_weights(self.learners, self.trainer._initial_models())
+        models = self.trainer._initial_models()
+        last = Path(self.written[-1]) if self.written else None
+        left = list(zip(self.learners, models))
+        if last is not None and last.name == f"checkpoint-{self.epoch}" and last.is_dir():
+            files = read_checkpoint_metadata(last).get("files", {})
+            holds = ray_get([learner.holds.remote(f"agent_{a}", files)
+                             for a, learner in enumerate(self.learners)], "learners")
+            left = [(learner, model) for a, (learner, model, same) in
+                    enumerate(zip(self.learners, models, holds))
+                    if not (same and map_checkpoint_weights(model, last / f"agent_{a}"))]
+        if left:
+            pull_weights([learner for learner, _ in left], [model for _, model in left])
