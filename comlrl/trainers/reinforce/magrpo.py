@@ -24,6 +24,10 @@ from comlrl.inputs import (
     build_formatters, dataset_rows, resolve_agent_sources, resolve_tokenizers,
 )
 from comlrl.rollout import Node, StepRecord, run_episode_batch
+from comlrl.trainers.reinforce import manual_save
+from comlrl.trainers.reinforce.compat import (
+    check_generation_kwargs, engine_for_head_dim, reference_copies,
+)
 
 
 class MAGRPOTrainer:
@@ -84,17 +88,24 @@ class MAGRPOTrainer:
         self.wandb_config = wandb_config
         self.eval_logger = eval_logger
         self.eval_aggregator = eval_aggregator
+        engine_for_head_dim(self)
         self.env_step = 0
+        self._final_state: Any = None   # what save_checkpoint saves (`manual_save`)
+        self._reference_models: list | None = None
         self._session = None  # the running workers.session.Session, during train()
         self.last_wandb_identity: dict | None = None  # the W&B run train() logged to
 
     # ------------------------------------------------------------------ public API
 
     def train(self, resume_from_checkpoint: str | None = None, checkpoint_dir: str | None = None,
-              checkpoint_interval: int = 1, checkpoint_total_limit: int | None = None) -> None:
+              checkpoint_interval: int = 1, checkpoint_total_limit: int | None = None,
+              **kwargs: Any) -> None:
         """Train to `num_train_epochs` (the whole run's total), checkpointing every
         `checkpoint_interval` epochs and after the last one into `checkpoint_dir/checkpoint-N`.
-        The positional order is comlrl 1.4.3's: `train("runs/x/checkpoint-2")` resumes."""
+        The positional order is comlrl 1.4.3's: `train("runs/x/checkpoint-2")` resumes.
+
+        `**kwargs` are comlrl's generation options for the training rollouts (it passes them
+        to HF `generate`): accepted where they change nothing here (`generation_kwargs`)."""
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
                 or checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be a positive integer.")
@@ -103,10 +114,21 @@ class MAGRPOTrainer:
         if self.train_rows is None:
             raise ValueError("Trainer: training requires a train_dataset (a datasets.Dataset "
                              "with a 'prompt' column); pass train_dataset= to MAGRPOTrainer.")
+        check_generation_kwargs(self.args, kwargs)
         resume_meta = self._check_resume(checkpoint_dir, resume_from_checkpoint)
         from workers.launch import ActorFailure
         from workers.session import Session
 
+        if self.args.reference_kl_enabled and self.agents is not None \
+                and not all(isinstance(s, str) for s in self.model_sources):
+            reference_copies(self)   # comlrl's copies are of the weights before training
+        # Until this train() completes, save_checkpoint refuses (comlrl: no boundary reached).
+        self._final_state = "failed"
+        # comlrl's words for a save while train() runs depend on its checkpoint arguments.
+        self._save_refusal = manual_save.BLOCKED_DURING if (
+            resume_from_checkpoint is not None or checkpoint_dir is not None
+            or checkpoint_interval != 1 or checkpoint_total_limit is not None) \
+            else manual_save.BLOCKED_AFTER_FAILURE
         with Session(self, checkpoint_dir, checkpoint_total_limit, resume_from_checkpoint,
                      resume_meta) as session:
             self._session = session
@@ -119,8 +141,26 @@ class MAGRPOTrainer:
                         # A dead learner or checkpointer: restart them from the newest
                         # checkpoint and go on (anything else is raised again).
                         session.heal(failure)
+                manual_save.record_final_state(self, session)
             finally:
                 self._session = None
+        manual_save.note_parked(self)
+
+    def save_checkpoint(self, output_dir: str) -> str:
+        """comlrl's manual save: the trainer's state now (before any `train()`, the initial
+        one; after a completed `train()`, its final one) as a checkpoint folder at
+        `output_dir` that `train(resume_from_checkpoint=output_dir)` continues from. Refused
+        while `train()` runs or after one that raised (RuntimeError), and over a folder that
+        is not a checkpoint (FileExistsError). Returns the folder's absolute path."""
+        return manual_save.save_checkpoint(self, output_dir)
+
+    @property
+    def reference_models(self) -> list:
+        """comlrl's frozen reference copies, one per agent ([] without `reference_kl_enabled`):
+        the initial weights, `requires_grad` off, in eval mode. Here the learners hold the
+        copies they train against; these are the driver's, built at first read (models given
+        as objects: by the first `train()`, before it changes them)."""
+        return reference_copies(self)
 
     def _train_loop(self, session: Any, checkpoint_dir: str | None, interval: int) -> None:
         """comlrl's cadence: prompts in dataset order, each prompt's whole rollout tree, its
