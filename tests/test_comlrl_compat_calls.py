@@ -24,7 +24,7 @@ def _trainer(tiny_model, **kw):
 
 
 def _weights(trainer):
-    return [p.detach().clone() for agent in trainer.agents for p in agent.parameters()]
+    return [p.detach().clone() for agent in trainer._initial_models() for p in agent.parameters()]
 
 
 def _same(a, b) -> bool:
@@ -268,7 +268,7 @@ def test_save_checkpoint_during_and_after_a_failed_train_is_refused(ray_session,
     trainer = MAGRPOTrainer(agents=[tiny_model, tiny_model], reward_func=saving_reward,
                             train_dataset=_data(), args=_config(eval_interval=0,
                                                                 rollout_buffer_size=1))
-    with pytest.raises(KeyError, match="stop here"):
+    with pytest.raises(ValueError, match="reward_func raised KeyError: 'stop here'"):
         trainer.train(checkpoint_dir=str(tmp_path / "ckpt"))
     assert seen[0] == "Checkpoint saving is only supported at a completed training boundary."
     with pytest.raises(RuntimeError, match="Training did not reach a completed checkpoint "
