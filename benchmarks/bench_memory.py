@@ -11,6 +11,10 @@ What is measured, every 0.2 s by a thread of this process while the run lasts:
     before the subprocess started (after memory settled). It counts what the kernel cannot
     hand back: anonymous memory, shared memory (Ray's object store, tmpfs files), not the
     page cache. Other processes' changes count too: run it on a quiet machine.
+  * used - others: the same less the change in every other process's Pss_Anon + Pss_Shmem
+    since that moment (read every 1 s; this process's own left out), so that another program
+    growing or ending meanwhile does not count (its tmpfs files and the kernel's own memory
+    still do); bytes per parameter use this.
   * tree PSS: the sum over the subprocess and all its descendants (a local ray.init's GCS,
     raylet and every worker/actor) of Pss_Anon + Pss_Shmem (/proc/PID/smaps_rollup; else
     RssAnon + RssShmem from /proc/PID/status), so memory two processes share counts once.
@@ -19,7 +23,8 @@ start, generation, update, push, checkpoint, pull back inside construct/train/re
 construct, train, resume only). Each sample goes to the innermost phase active at its time
 (the latest-started open one); samples outside every phase (imports, model loading, exit) are
 "other". Background work (a checkpoint written while training goes on) counts in whatever
-phase the driver is in then. Bytes per parameter = peak / (2 agents x parameters).
+phase the driver is in then. Bytes per parameter = peak / (2 agents x parameters). The
+summary's "others max change" (largest |change|) says how much the rest of the machine moved meanwhile.
 
 A run is "OOM-killed" when it dies of signal 9 / exit 137 or its log names Ray's memory monitor
 or an OutOfMemoryError; "refused" when our memory_check stopped it before it started.
@@ -55,6 +60,7 @@ STEPS_PER_EPOCH = 4 * 4                # 4 prompts x K=4 (env steps, one turn)
 DEFAULT_SIZES = ["10M", "76.6M", "358M", "0.5B"]
 SIDES = ("ours", "comlrl")
 INTERVAL = 0.2
+OTHERS_EVERY = 5                       # other processes' PSS: every 5th sample (1 s)
 GB = 1e9
 OOM_TEXT = ("OutOfMemoryError", "killed by the memory monitor", "memory monitor killed")
 REFUSED_TEXT = "MAGRPOConfig(memory_check=False) skips this estimate"
@@ -74,8 +80,9 @@ def used_bytes() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
-def descendants(root: int) -> list[int]:
-    """`root` and every process below it (by parent pid, from /proc/PID/stat)."""
+def descendants(root: int, everyone: list[int] | None = None) -> list[int]:
+    """`root` and every process below it (by parent pid, from /proc/PID/stat); `everyone`, when
+    given, receives every pid seen."""
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -86,6 +93,8 @@ def descendants(root: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
+        if everyone is not None:
+            everyone.append(int(entry.name))
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -108,6 +117,15 @@ def process_bytes(pid: int) -> int:
     return 0
 
 
+def others_bytes(exclude: set[int], everyone: list[int] | None = None) -> int:
+    """Pss_Anon + Pss_Shmem of every process but `exclude` (the run's): what the rest of the
+    machine holds, to tell its changes from the run's in the machine-wide number."""
+    if everyone is None:
+        everyone = []
+        descendants(-1, everyone)
+    return sum(process_bytes(p) for p in everyone if p not in exclude)
+
+
 def settle(seconds: float = 30.0) -> int:
     """Wait (at most `seconds`) until memory in use stops falling after the previous run, and
     return it: the idle level the next run is measured above."""
@@ -123,19 +141,25 @@ def settle(seconds: float = 30.0) -> int:
 
 
 class Sampler(threading.Thread):
-    """Every INTERVAL s while `proc` runs: (time, used above `idle`, tree PSS, processes)."""
+    """Every INTERVAL s while `proc` runs: (time, used above `idle`, tree PSS, processes,
+    other processes' PSS above `others_idle`, read every OTHERS_EVERY-th sample)."""
 
-    def __init__(self, proc: subprocess.Popen, idle: int):
+    def __init__(self, proc: subprocess.Popen, idle: int, others_idle: int):
         super().__init__(daemon=True)
-        self.proc, self.idle = proc, idle
-        self.samples: list[tuple[float, int, int, int]] = []
+        self.proc, self.idle, self.others_idle = proc, idle, others_idle
+        self.samples: list[tuple[float, int, int, int, int]] = []
 
     def run(self) -> None:
+        others = self.others_idle
         while self.proc.poll() is None:
             t = time.time()
-            pids = descendants(self.proc.pid)
+            everyone: list[int] = []
+            pids = descendants(self.proc.pid, everyone)
             pss = sum(process_bytes(p) for p in pids)
-            self.samples.append((t, used_bytes() - self.idle, pss, len(pids)))
+            if len(self.samples) % OTHERS_EVERY == 0:
+                others = others_bytes(set(pids) | {os.getpid()}, everyone)
+            self.samples.append((t, used_bytes() - self.idle, pss, len(pids),
+                                 others - self.others_idle))
             time.sleep(max(0.0, INTERVAL - (time.time() - t)))
 
 
@@ -169,16 +193,21 @@ def innermost(spans: list[tuple[str, float, float]], t: float) -> str:
 
 
 def per_phase(samples: list, spans: list) -> dict[str, dict]:
+    """Per phase: the peaks of the samples it was the innermost phase of (None: it never was,
+    each of its calls shorter than the sampling interval), their count, the most processes,
+    and its seconds (all its calls, nested phases included)."""
     out: dict[str, dict] = {}
-    for t, used, pss, procs in samples:
-        p = out.setdefault(innermost(spans, t), {"used": 0, "pss": 0, "samples": 0,
-                                                 "procs": 0})
-        p["used"], p["pss"] = max(p["used"], used), max(p["pss"], pss)
-        p["samples"] += 1
-        p["procs"] = max(p["procs"], procs)
+    blank = lambda: {"used": None, "net": None, "pss": None, "samples": 0, "procs": None,
+                     "seconds": None}
     for name, start, end in spans:
-        if name in out:
-            out[name]["seconds"] = out[name].get("seconds", 0.0) + (end - start)
+        p = out.setdefault(name, blank())
+        p["seconds"] = (p["seconds"] or 0.0) + (end - start)
+    for t, used, pss, procs, others in samples:
+        p = out.setdefault(innermost(spans, t), blank())
+        p["used"], p["pss"] = max(p["used"] or 0, used), max(p["pss"] or 0, pss)
+        p["net"] = max(p.get("net") or 0, used - others)
+        p["samples"] += 1
+        p["procs"] = max(p["procs"] or 0, procs)
     return out
 
 
@@ -245,6 +274,7 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
                "--checkpoint-dir", str(tmp / "checkpoints"),
                "--epochs", str(EPOCHS[0]), "--resume-epochs", str(EPOCHS[1])]
         idle = settle()
+        others_idle = others_bytes({os.getpid()})
         start = time.time()
         timed_out = False
         with open(log_path, "w") as log:
@@ -252,7 +282,7 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
             # by group, and only this run's processes are in it.
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-            sampler = Sampler(proc, idle)
+            sampler = Sampler(proc, idle, others_idle)
             sampler.start()
             try:
                 code = proc.wait(timeout=timeout)
@@ -277,11 +307,13 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
         "exit_code": code, "wall_s": end - start, "idle_used_bytes": idle,
         "peak_used_bytes": max((s[1] for s in samples), default=None),
         "peak_pss_bytes": max((s[2] for s in samples), default=None),
+        "peak_net_bytes": max((s[1] - s[4] for s in samples), default=None),
+        "others_max_change_bytes": max((abs(s[4]) for s in samples), default=None),
         "steady_epoch_s": epoch_s, "steady_epoch_from": epoch_from,
         "phases": per_phase(samples, spans),
         "traced_methods": times.get("traced_methods"),
         "spans": [(n, a - start, b - start) for n, a, b in spans],
-        "samples": [(round(t - start, 2), u, p, n) for t, u, p, n in samples],
+        "samples": [(round(t - start, 2), *rest) for t, *rest in samples],
         "log": str(log_path),
     }
 
@@ -291,6 +323,10 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
 
 PHASE_ORDER = ("load models", "construct", "start", "generation", "update", "push",
                "checkpoint", "pull back", "train", "resume", "other")
+
+
+def gb(x: int | None) -> float | None:
+    return None if x is None else x / GB
 
 
 def per_byte(x: int | None, params: int) -> float | None:
@@ -303,22 +339,23 @@ def phase_table(run: dict) -> str:
     rows = []
     for name in names:
         p = run["phases"][name]
-        rows.append([name, p["used"] / GB, per_byte(p["used"], run["params"]), p["pss"] / GB,
-                     per_byte(p["pss"], run["params"]), p.get("seconds"), p["samples"],
-                     p["procs"]])
-    return bl.table(["phase (innermost)", "peak used GB", "used B/param", "peak tree PSS GB",
-                     "PSS B/param", "phase s", "samples", "processes"], rows)
+        rows.append([name, gb(p["used"]), gb(p.get("net")), per_byte(p.get("net"), run["params"]),
+                     gb(p["pss"]), per_byte(p["pss"], run["params"]), p["seconds"],
+                     p["samples"], p["procs"]])
+    return bl.table(["phase (innermost)", "used GB", "used-others GB", "B/param",
+                     "tree PSS GB", "PSS B/param", "phase s (all calls)", "samples",
+                     "processes"], rows)
 
 
 def summary_table(runs: list[dict]) -> str:
-    rows = [[r["size"], f"{r['params']:,}", r["side"], r["outcome"],
-             None if r["peak_used_bytes"] is None else r["peak_used_bytes"] / GB,
-             per_byte(r["peak_used_bytes"], r["params"]),
-             None if r["peak_pss_bytes"] is None else r["peak_pss_bytes"] / GB,
-             per_byte(r["peak_pss_bytes"], r["params"]), r["steady_epoch_s"], r["wall_s"]]
+    rows = [[r["size"], f"{r['params']:,}", r["side"], r["outcome"], gb(r["peak_used_bytes"]),
+             gb(r.get("peak_net_bytes")), per_byte(r.get("peak_net_bytes"), r["params"]),
+             gb(r["peak_pss_bytes"]), per_byte(r["peak_pss_bytes"], r["params"]),
+             gb(r.get("others_max_change_bytes")), r["steady_epoch_s"], r["wall_s"]]
             for r in runs]
-    return bl.table(["size", "params", "side", "outcome", "peak used GB", "used B/param",
-                     "peak PSS GB", "PSS B/param", "s/steady epoch", "wall s"], rows)
+    return bl.table(["size", "params", "side", "outcome", "peak used GB", "used-others GB",
+                     "B/param", "peak PSS GB", "PSS B/param", "others max change GB",
+                     "s/steady epoch", "wall s"], rows)
 
 
 # ---------------------------------------------------------------- main
@@ -332,7 +369,9 @@ def main() -> None:
     a = p.parse_args()
     if a.from_json:
         runs = json.loads(Path(a.from_json).read_text())["runs"]
-        for r in runs:
+        for r in runs:              # the phases again from the stored samples and spans
+            samples = [(*x, 0)[:5] for x in r["samples"]]   # files before `others`: 0
+            r["phases"] = per_phase(samples, [tuple(s) for s in r["spans"]])
             print(f"\n## {r['size']} {r['side']}: {r['outcome']}\n\n{phase_table(r)}")
         print(f"\n## Summary\n\n{summary_table(runs)}")
         return
