@@ -153,9 +153,10 @@ def test_train_takes_comlrls_positional_order():
     from comlrl.trainers.reinforce import MAGRPOTrainer
 
     params = list(inspect.signature(MAGRPOTrainer.train).parameters.values())[1:]
-    assert [(p.name, p.default) for p in params] == [
+    assert [(p.name, p.default) for p in params[:4]] == [
         ("resume_from_checkpoint", None), ("checkpoint_dir", None),
         ("checkpoint_interval", 1), ("checkpoint_total_limit", None)]
+    assert len(params) == 5 and params[4].kind is inspect.Parameter.VAR_KEYWORD
 
 
 # ------------------------------------------------------------------ points 3, 5, 6 end to end

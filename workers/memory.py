@@ -144,10 +144,13 @@ def oom_sentence(what: str, report: str) -> str:
             f"names the parts).")
 
 
-def preflight(trainer: object, plan: dict, folders: list[str], settings: dict) -> None:
+def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
+              checkpointing: bool = False) -> None:
     """The check a run makes on the machine it starts from, before any actor starts:
     on CPU against MemAvailable when this process started the Ray (everything lives here),
-    on a GPU against the device's memory when the learner has one here."""
+    on a GPU against the device's memory when the learner has one here. `checkpointing`:
+    the run ends with a checkpoint of its final weights, which the user's models then map
+    (`Session.pull_weights`) instead of taking new memory."""
     args = trainer.args
     models = trainer._initial_models()
     params = [sum(p.numel() for p in m.parameters()) for m in models]
@@ -178,7 +181,7 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict) -
         kw["kv_cache_memory_bytes"] or cpu_kv_cache_bytes(
         folders[0], kw["dtype"], kw["max_model_len"], kw["kv_cache_sequences"],
         kw["kv_cache_tokens"])
-    user_bytes = max(p.element_size() for p in models[0].parameters())
+    user_bytes = 0 if checkpointing else max(p.element_size() for p in models[0].parameters())
     need = estimate(params, colocated=colocated, engines_per_agent=engines,
                     engine_bytes_per_param=engine_bytes, reference=reference,
                     kv_cache_bytes=kv, engines_on_gpu=engine_gpu,

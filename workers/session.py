@@ -152,7 +152,8 @@ class Session:
             # This machine holds the whole run: refuse now what Ray would kill part-way.
             from workers.memory import preflight
 
-            preflight(trainer, plan, [str(f) for f in folders], settings)
+            preflight(trainer, plan, [str(f) for f in folders], settings,
+                      checkpointing=bool(self.checkpoint_dir))
         actors = warm or start_actors(trainer, self.logs, key, settings, needs, plan, folders,
                                       self.fingerprints["models"], self.for_eval,
                                       local=self.started_ray)
