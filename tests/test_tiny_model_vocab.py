@@ -69,10 +69,9 @@ def test_padded_vocabulary_with_tied_head_loads_like_a_real_model(tmp_path):
 
     assert model.config.vocab_size == 4096 and model.config.tie_word_embeddings
     assert model.get_output_embeddings().weight.shape == (4096, 128)
-    # Values, not data_ptr: in CI's full-suite order transformers 5.19 once loaded the
-    # head as a separate tensor with the same values (cause not yet found, see notes).
-    import torch as _t
-    assert _t.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
+    # Weaker than the shared-storage (data_ptr) check this replaced: in CI's full-suite
+    # order the head loaded as its own tensor; the cause is not yet found (issue note).
+    assert torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
