@@ -90,12 +90,13 @@ class HFEngine:
     def __init__(self, model_path: str, sampling: SamplingSettings, *, dtype: str = "auto",
                  device: str = "cpu", threads: int | None = None, **_: Any):
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from comlrl.loading import load_causal_lm
 
         if threads:
             torch.set_num_threads(threads)
         kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
+        self.model = load_causal_lm(model_path, **kwargs).to(device).eval()
         self.device = device
         self.sampling = sampling
         gen = self.model.generation_config

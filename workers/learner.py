@@ -27,11 +27,12 @@ class Learner:
                  reference_kl_coef: float | None = None, device: str = "auto",
                  threads: int | None = None):
         from comlrl.engines import imports_without_gc
+        from comlrl.loading import load_causal_lm
         from workers.actors import model_folder
 
         with imports_without_gc():
             import torch
-            from transformers import AutoModelForCausalLM
+            import transformers  # noqa: F401  (its long import, with the collector off)
 
         # A learner started over for a later train() (`reinit`) begins from the global RNG
         # state a new process has here, so its run matches one in a fresh actor.
@@ -52,7 +53,7 @@ class Learner:
         self.reference_kl_coef = reference_kl_coef
         self.reference = None
         with model_folder(model_source) as path:      # all of it is loaded in this block
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            self.model = load_causal_lm(path, dtype=torch.float32)
             self.model.to(device).train()
             if device == "cpu":
                 # The weights are the file mapped copy-on-write: the first AdamW step would
@@ -61,7 +62,7 @@ class Learner:
                 # aligned in an actor, `THP_MEM_ALLOC_ENABLE`).
                 into_fresh_memory(self.model, self.model.state_dict())
             if reference_kl_coef is not None:
-                self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                self.reference = load_causal_lm(path, dtype=torch.float32)
                 self.reference.to(device).eval().requires_grad_(False)
             folder = Path(path)
             self.tokenizer_files = {  # kept to write beside the weights in every checkpoint

@@ -8,6 +8,8 @@ import copy
 import warnings
 from typing import Any
 
+from comlrl.loading import load_once
+
 # What comlrl 1.4.3 passes by name to its generation helper itself: a train() keyword of
 # the same name is given twice there (TypeError, "got multiple values for keyword argument").
 _GIVEN_BY_COMLRL = ("agent", "batch_items", "agent_idx", "num_return_sequences",
@@ -115,14 +117,7 @@ def reference_copies(trainer: Any) -> list:
     if trainer._reference_models is None:
         sources = trainer.model_sources
         if all(isinstance(s, str) for s in sources):
-            from transformers import AutoModelForCausalLM
-
-            kwargs = {k: v for k, v in trainer.model_config.items() if k != "special_tokens"}
-            if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
-                import torch
-
-                kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-            models = [AutoModelForCausalLM.from_pretrained(s, **kwargs) for s in sources]
+            models = load_once(trainer, "_reference_models", sources, trainer.model_config)
         else:
             models = [copy.deepcopy(m) for m in trainer._initial_models()]
         for model in models:

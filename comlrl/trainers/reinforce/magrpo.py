@@ -23,6 +23,7 @@ from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
 from comlrl.inputs import (
     build_formatters, dataset_rows, resolve_agent_sources, resolve_tokenizers,
 )
+from comlrl.loading import load_once
 from comlrl.rollout import Node, StepRecord, run_episode_batch
 from comlrl.trainers.reinforce import manual_save
 from comlrl.trainers.reinforce.compat import (
@@ -265,16 +266,7 @@ class MAGRPOTrainer:
         loaded here, at first use, not at construction."""
         if self.agents is not None:
             return self.agents
-        from transformers import AutoModelForCausalLM
-
-        kwargs = {k: v for k, v in self.model_config.items() if k != "special_tokens"}
-        if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
-            import torch
-
-            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-        self.agents = [AutoModelForCausalLM.from_pretrained(name, **kwargs)
-                       for name in self.model_sources]
-        return self.agents
+        return load_once(self, "agents", self.model_sources, self.model_config)
 
     def _check_resume(self, checkpoint_dir: str | None, resume: str | None) -> dict | None:
         """Read the checkpoint to resume from (its files are verified by the Session while
