@@ -211,8 +211,6 @@ def test_save_checkpoint_before_and_after_train_resume_exactly(ray_session, tiny
     refused, naming checkpoint_dir= (a difference, README)."""
     from comlrl.utils import read_checkpoint_metadata
 
-    straight1 = _trainer(tiny_model)
-    straight1.train()
     straight2 = _trainer(tiny_model, num_train_epochs=2)
     straight2.train()
 
@@ -224,14 +222,14 @@ def test_save_checkpoint_before_and_after_train_resume_exactly(ray_session, tiny
 
     # A plain train() on a Ray it did not start stops its learners (the fixture's Ray here;
     # a joined cluster): their AdamW state is gone, and the save says so.
-    first = _trainer(tiny_model)
+    first = _trainer(tiny_model)                 # also the straight run of one epoch
     first.train()
     with pytest.raises(RuntimeError, match="Pass checkpoint_dir= to train"):
         first.save_checkpoint(str(tmp_path / "after"))
 
     from_start = _trainer(tiny_model)
     from_start.train(resume_from_checkpoint=str(before))
-    assert from_start.env_step == 4 and _same(_weights(from_start), _weights(straight1))
+    assert from_start.env_step == 4 and _same(_weights(from_start), _weights(first))
 
     kept = _trainer(tiny_model)
     kept.train(checkpoint_dir=str(tmp_path / "ckpt"))
