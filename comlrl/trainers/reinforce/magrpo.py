@@ -264,8 +264,6 @@ class MAGRPOTrainer:
     def _initial_models(self) -> list:
         """The agents' models; given as names (`agent_model`, or `agents=[names]`), they are
         loaded here, at first use, not at construction."""
-        if self.agents is not None:
-            return self.agents
         return load_once(self, "agents", self.model_sources, self.model_config)
 
     def _check_resume(self, checkpoint_dir: str | None, resume: str | None) -> dict | None:
