@@ -6,9 +6,11 @@ threads left the no-op in place for good, and every later model loaded with an u
 The Session does load in two threads (the models' save while Ray starts, and the weight
 count for Ray's memory): this is what made CI's full suite load a tied head untied.
 
-comlrl 1.4.3 loads each agent by name once, in its constructor, in the caller's thread
-(`AutoModelForCausalLM.from_pretrained` per agent); here the load happens at first use, so it
-must give the same: one model object per agent, whichever thread asks first.
+comlrl 1.4.3, run in its own virtualenv (benchmarks/.venv-comlrl) with this test's tied model
+given twice by name, agent_devices="cpu": its constructor called
+`AutoModelForCausalLM.from_pretrained` 2 times (counted), `trainer.agents` held 2 distinct
+models, both heads tied (shared data_ptr). Here the load happens at first use, so it must give
+the same: one model object per agent, tied, whichever thread asks first.
 """
 
 from __future__ import annotations
