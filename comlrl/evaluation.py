@@ -36,8 +36,7 @@ def run_evaluation(trainer: Any, session: Any, num_eval_samples: int | None = No
             sum(args.discount ** i * x for i, x in enumerate(r[t:])) for r in rewards
         ) / len(rewards)
     if trainer.eval_logger is not None and trainer.eval_aggregator is not None:
-        completions = [[[node.texts[a][0] for node in ep.nodes] for ep in episodes]
-                       for a in range(trainer.num_agents)]
+        completions = trainer._eval_completions(episodes)   # per agent (or role)
         detailed = trainer.eval_logger(agent_completions_turns=completions,
                                        batch_items=[ep.row for ep in episodes],
                                        prompts=[ep.row.get("prompt", "") for ep in episodes])

@@ -24,7 +24,8 @@ from comlrl.checkpoint import CheckpointError, file_sha256
 
 # The callables fingerprinted by the trainer; skip_callable_fingerprints ignores these keys.
 CALLABLE_FINGERPRINT_KEYS = frozenset(
-    {"reward_func", "reward_processor", "external_transition", "formatters"})
+    {"reward_func", "reward_processor", "external_transition", "formatters",
+     "centralized_adapter"})
 
 SKIP_CALLABLE_FINGERPRINTS = "MAGRPOConfig(skip_callable_fingerprints=True)"
 _SIMPLE = (type(None), bool, int, float, complex, str)

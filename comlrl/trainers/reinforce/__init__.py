@@ -1,11 +1,16 @@
-"""MAGRPO and its siblings (comlrl names): each sibling fixes the advantage baseline."""
+"""MAGRPO and its siblings (comlrl names): each sibling fixes the advantage baseline; the
+centralized trainer trains one joint policy for every role."""
 
 from comlrl.config import MAGRPOConfig
+from comlrl.trainers.reinforce.centralized_magrpo import (
+    CentralizedMAGRPOConfig, CentralizedMAGRPOTrainer,
+)
 from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
 from comlrl.trainers.reinforce.siblings import (
     MAREINFORCEConfig, MAREINFORCETrainer, MAReMaxConfig, MAReMaxTrainer, MARLOOConfig,
     MARLOOTrainer,
 )
 
-__all__ = ["MAGRPOConfig", "MAGRPOTrainer", "MAREINFORCEConfig", "MAREINFORCETrainer",
-           "MARLOOConfig", "MARLOOTrainer", "MAReMaxConfig", "MAReMaxTrainer"]
+__all__ = ["CentralizedMAGRPOConfig", "CentralizedMAGRPOTrainer", "MAGRPOConfig",
+           "MAGRPOTrainer", "MAREINFORCEConfig", "MAREINFORCETrainer", "MARLOOConfig",
+           "MARLOOTrainer", "MAReMaxConfig", "MAReMaxTrainer"]

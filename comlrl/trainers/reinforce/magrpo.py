@@ -232,6 +232,12 @@ class MAGRPOTrainer:
 
         return run_evaluation(self, session, self.args.eval_num_samples)
 
+    def _eval_completions(self, episodes: list) -> list:
+        """The evaluation logger's `agent_completions_turns`: per agent, per episode, the text
+        of its one sample at every turn."""
+        return [[[node.texts[a][0] for node in ep.nodes] for ep in episodes]
+                for a in range(self.num_agents)]
+
     def evaluate(self, num_eval_samples: int | None = None) -> dict[str, float]:
         """Evaluate on `eval_dataset` and log under `eval/` at the current env_step."""
         from comlrl.evaluation import run_evaluation
