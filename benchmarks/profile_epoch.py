@@ -108,8 +108,7 @@ def install_timers() -> None:
     try:  # the reload seconds come back from update_weights through the transport's refs
         import ray
         import workers.transport as transport
-
-        from workers.colocated import ColocatedTransport
+        from workers.transport import ColocatedTransport
 
         pushed: list = []
         # An agent host's own engine loads in-process (`load_own_weights`), any further

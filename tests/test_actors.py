@@ -14,10 +14,9 @@ from comlrl.config import MAGRPOConfig
 from comlrl.inputs import build_formatters
 from comlrl.tiny_model import build_tiny_model
 from tests.test_rollout_tree import FakeTokenizer
-from workers.actors import (
-    Actors, actor_settings, model_shape, pack_model_folder, use_folders, warm_key,
-)
+from workers.actors import Actors, actor_settings, model_shape, use_folders, warm_key
 from workers.launch import plan_placement
+from workers.model_source import pack_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 

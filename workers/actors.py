@@ -13,7 +13,6 @@ so starts in about a second instead of importing vLLM and torch in five new proc
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -22,7 +21,8 @@ from typing import Any
 
 from comlrl.engines import KV_BLOCK_TOKENS, kv_blocks
 from comlrl.rollout import longest_sequence, sequences_per_call
-from workers.launch import _WARM, kill_actors, remove_placement
+from workers.launch import WARM_ACTORS, kill_actors, remove_placement
+from workers.model_source import pack_model_folder
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -108,7 +108,7 @@ def take_warm(key: str) -> Actors | None:
     ones are dropped)."""
     from workers.pool import is_alive
 
-    actors = _WARM.pop("actors", None)
+    actors = WARM_ACTORS.pop("actors", None)
     if actors is None:
         return None
     if actors.key == key and all(is_alive(actor) for actor in actors.all()):
@@ -123,7 +123,7 @@ def warm_learners_hold(files: dict[str, str]) -> bool:
     the driver's verify reads them past the page cache (`verify_checksums`)."""
     import ray
 
-    actors = _WARM.get("actors")
+    actors = WARM_ACTORS.get("actors")
     if actors is None:
         return False
     try:
@@ -135,14 +135,14 @@ def warm_learners_hold(files: dict[str, str]) -> bool:
 
 def drop_warm() -> None:
     """Kill any parked actors (a start that cannot use them needs their resources)."""
-    actors = _WARM.pop("actors", None)
+    actors = WARM_ACTORS.pop("actors", None)
     if actors is not None:
         release(actors)
 
 
 def park(actors: Actors) -> None:
     drop_warm()
-    _WARM["actors"] = actors
+    WARM_ACTORS["actors"] = actors
 
 
 def release(actors: Actors) -> None:
@@ -182,34 +182,6 @@ def model_sources(folders: list[str], local: bool) -> list:
     import ray
 
     return [ray.put(pack_model_folder(f)) for f in folders]
-
-
-def pack_model_folder(path: str) -> dict:
-    """A saved model folder as {file name: bytes}, to ship through the object store; an actor
-    loads it through `model_folder`."""
-    folder = Path(path)
-    return {"name": folder.name,
-            "files": {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}}
-
-
-@contextlib.contextmanager
-def model_folder(source: str | dict):
-    """A folder to load `source` from while the block runs: a path (or hub name) as is, or a
-    packed folder written out and removed when the block ends, loaded or not, so an actor
-    whose engine or learner fails to start leaves no copy of the model behind."""
-    if isinstance(source, str):
-        yield source
-        return
-    import shutil
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix=f"comlrl-{source['name']}-"))
-    try:
-        for name, data in source["files"].items():
-            (folder / name).write_bytes(data)
-        yield str(folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def use_folders(actors: Actors, folders: list[str]) -> None:

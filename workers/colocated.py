@@ -5,7 +5,7 @@ that is two imports of torch and transformers per agent and a weight push throug
 store after every update. A host imports them once, and the push to its own engine becomes an
 in-process copy (`load_own_weights`). Further workers of the agent
 (`rollout_workers_per_agent` > 1) stay separate actors and get the weights through the object
-store (`ColocatedTransport`). The driver still sees one learner and one worker 0 per agent:
+store (`workers.transport.ColocatedTransport`). The driver still sees one learner and one worker 0 per agent:
 both are this actor's handle, so generation, updates, checkpoints and resume are unchanged.
 
 The engine is built first: vLLM reseeds the global RNGs and fixes torch's thread count while it
@@ -21,14 +21,14 @@ from typing import Any
 
 from workers.learner import Learner
 from workers.rollout import RolloutWorker
-from workers.transport import LearnerEndpoint, ObjectStoreTransport
+from workers.transport import LearnerEndpoint
 
 
 class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any], learner_kwargs: dict[str, Any]):
         from comlrl.engines import imports_without_gc
-        from workers.actors import model_folder
+        from workers.model_source import model_folder
 
         with imports_without_gc():      # the engine's imports run inside one too
             import torch
@@ -59,15 +59,3 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         start = time.perf_counter()
         self._load(version, {k: v.detach() for k, v in self.model.state_dict().items()})
         return time.perf_counter() - start
-
-
-class ColocatedTransport(ObjectStoreTransport):
-    """Worker 0 of each agent is the learner's own host: it copies in-process. Any other
-    worker of the agent gets the weights through the object store."""
-
-    name = "colocated"
-
-    def push(self, agent: int, learner: Any, workers: list, version: int) -> list:
-        own = [learner.load_own_weights.remote(version)] if workers[:1] == [learner] else []
-        others = [w for w in workers if w != learner]
-        return own + (super().push(agent, learner, others, version) if others else [])

@@ -31,7 +31,7 @@ LOCAL_RAY_ENV = {
 _LOCAL_RAY: dict = {}
 # The actors a clean `train()` left running on that Ray for the next one ({"actors":
 # workers.actors.Actors}); they die with it.
-_WARM: dict = {}
+WARM_ACTORS: dict = {}
 
 
 class ActorFailure(RuntimeError):
@@ -79,7 +79,7 @@ def ensure_ray(address: str | None, state_dict_bytes: int = 0, cpus_needed: floa
             return True
         ray.shutdown()
         _LOCAL_RAY.clear()
-        _WARM.clear()
+        WARM_ACTORS.clear()
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
     address = address or os.environ.get("RAY_ADDRESS")

@@ -28,7 +28,7 @@ class Learner:
                  threads: int | None = None):
         from comlrl.engines import imports_without_gc
         from comlrl.loading import load_causal_lm
-        from workers.actors import model_folder
+        from workers.model_source import model_folder
 
         with imports_without_gc():
             import torch

@@ -18,7 +18,7 @@ class RolloutWorker(WorkerEndpoint):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any]):
         from comlrl.engines import SamplingSettings, make_engine
-        from workers.actors import model_folder
+        from workers.model_source import model_folder
 
         self.agent_index = agent_index
         with model_folder(model_source) as path:      # the engine loads all of it here

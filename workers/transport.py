@@ -75,8 +75,6 @@ def make_transport(name: str, *, backend: str = "gloo", bucket_bytes: int = DEFA
     if name == "cuda_ipc":
         return CudaIpcTransport(bucket_bytes=bucket_bytes)
     if name == "colocated":                 # `colocate=True` (workers/colocated.py)
-        from workers.colocated import ColocatedTransport
-
         return ColocatedTransport()
     raise ValueError(f"unknown weight transport {name!r}")
 
@@ -394,6 +392,18 @@ class ObjectStoreTransport(WeightTransport):
     def push(self, agent: int, learner: Any, workers: list, version: int) -> list:
         weights = learner.export_weights.remote()
         return [w.update_weights.remote(version, weights) for w in workers]
+
+
+class ColocatedTransport(ObjectStoreTransport):
+    """Worker 0 of each agent is the learner's own host: it copies in-process. Any other
+    worker of the agent gets the weights through the object store."""
+
+    name = "colocated"
+
+    def push(self, agent: int, learner: Any, workers: list, version: int) -> list:
+        own = [learner.load_own_weights.remote(version)] if workers[:1] == [learner] else []
+        others = [w for w in workers if w != learner]
+        return own + (super().push(agent, learner, others, version) if others else [])
 
 
 class NcclBroadcastTransport(WeightTransport):

@@ -158,10 +158,9 @@ def _commit(staging: Path, metadata: dict, digests: dict[str, str]) -> None:
 
 
 def _write_from_parked_learners(trainer: Any, state: dict, staging: Path) -> None:
-    from workers.actors import _WARM
-    from workers.launch import ray_get
+    from workers.launch import WARM_ACTORS, ray_get
 
-    parked = _WARM.get("actors")
+    parked = WARM_ACTORS.get("actors")
     owner = _PARKED.get("trainer")
     learners = state["learners"]
     if parked is None or owner is None or owner() is not trainer or \
