@@ -15,6 +15,34 @@ from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
 from comlrl.rollout import StepRecord, run_episode_batch
 from tests.test_rollout_tree import FakeSession, FakeTokenizer
 
+# ---------------------------------------------------------------- comlrl's module paths
+
+
+@pytest.mark.parametrize("module, config, trainer, mode, algorithm, turns", [
+    ("magrpo", "MAGRPOConfig", "MAGRPOTrainer", "mean", "MAGRPO", 2),
+    ("centralized_magrpo", "CentralizedMAGRPOConfig", "CentralizedMAGRPOTrainer", "mean",
+     "MAGRPO", 1),
+    ("mareinforce", "MAREINFORCEConfig", "MAREINFORCETrainer", "raw", "MAREINFORCE", 2),
+    ("marloo", "MARLOOConfig", "MARLOOTrainer", "rloo", "MARLOO", 2),
+    ("maremax", "MAReMaxConfig", "MAReMaxTrainer", "max", "MAReMax", 2),
+])
+def test_trainers_import_from_comlrls_module_paths(module, config, trainer, mode, algorithm,
+                                                   turns):
+    """comlrl 1.4.3, each `from comlrl.trainers.reinforce.<module> import <Config>, <Trainer>`:
+    the config's advantage_mode and num_turns defaults and the trainer's algorithm_name and
+    default_config_cls are these (the package re-exports the same classes)."""
+    import importlib
+
+    import comlrl.trainers.reinforce as package
+
+    found = importlib.import_module(f"comlrl.trainers.reinforce.{module}")
+    config_cls, trainer_cls = getattr(found, config), getattr(found, trainer)
+    assert (config_cls().advantage_mode, config_cls().num_turns) == (mode, turns)
+    assert (trainer_cls.algorithm_name, trainer_cls.default_config_cls) == (algorithm,
+                                                                            config_cls)
+    assert getattr(package, trainer) is trainer_cls and getattr(package, config) is config_cls
+
+
 # ---------------------------------------------------------------- config: comlrl's fields
 
 

@@ -6,10 +6,9 @@ from comlrl.trainers.reinforce.centralized_magrpo import (
     CentralizedMAGRPOConfig, CentralizedMAGRPOTrainer,
 )
 from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
-from comlrl.trainers.reinforce.siblings import (
-    MAREINFORCEConfig, MAREINFORCETrainer, MAReMaxConfig, MAReMaxTrainer, MARLOOConfig,
-    MARLOOTrainer,
-)
+from comlrl.trainers.reinforce.mareinforce import MAREINFORCEConfig, MAREINFORCETrainer
+from comlrl.trainers.reinforce.maremax import MAReMaxConfig, MAReMaxTrainer
+from comlrl.trainers.reinforce.marloo import MARLOOConfig, MARLOOTrainer
 
 __all__ = ["CentralizedMAGRPOConfig", "CentralizedMAGRPOTrainer", "MAGRPOConfig",
            "MAGRPOTrainer", "MAREINFORCEConfig", "MAREINFORCETrainer", "MARLOOConfig",
