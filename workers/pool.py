@@ -4,7 +4,7 @@ The rule, shared by generation, weight push and sleep/wake: a worker found dead 
 a new actor with the same arguments and placement bundle, given its agent's current weights,
 and its call is done again. A worker that dies more than `MAX_RESTARTS_PER_CALL` times within
 one call is not restarted again: the call fails, naming the worker. Requests carry their seeds,
-so a redone generation draws the same samples (docs/architecture.md, "What survives what").
+so a redone generation draws the same samples (README.md, "What survives what").
 """
 
 from __future__ import annotations
