@@ -109,13 +109,10 @@ class Session:
                 folders, self.fingerprints = self.saving.result()
                 compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
                                      skip_callables=args.skip_callable_fingerprints)
-                trainer.env_step = int(meta["env_step"])
-                self.epoch = int(meta["epoch"])
-                self.learner_updates = int(meta["update_index"])
-                self.last_train_log = int(meta.get("last_train_log", -1))
+                self._restore_progress(meta)
                 self.run_uid = meta["run_uid"]
             elif not self.for_eval:  # evaluate() logs at the env_step training reached
-                trainer.env_step = 0
+                self._restore_progress({})
                 self.run_uid = f"{time.time_ns():x}"
             if self.epoch > args.num_train_epochs:
                 raise ValueError(f"num_train_epochs={args.num_train_epochs} is below the "
@@ -258,10 +255,7 @@ class Session:
         if newest:
             ray_get([learner.load.remote(str(newest[-1] / f"agent_{a}"))
                      for a, learner in enumerate(self.learners)], "restoring learners")
-        self.trainer.env_step = int(meta.get("env_step", 0))
-        self.epoch = int(meta.get("epoch", 0))
-        self.learner_updates = int(meta.get("update_index", 0))
-        self.last_train_log = int(meta.get("last_train_log", -1))
+        self._restore_progress(meta)
         self.push_weights()
         self.pending_metrics["actors/restarts"] = self.actor_restarts
         warnings.warn(f"{', '.join(dead)} died ({first_line(failure)}); restarted the "
@@ -401,9 +395,7 @@ class Session:
         ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
                  for a, learner in enumerate(self.learners)], "learners saving")
         metadata = {
-            "env_step": self.trainer.env_step, "epoch": self.epoch,
-            "update_index": self.learner_updates,
-            "last_logged_step": self.wandb.last_step, "last_train_log": self.last_train_log,
+            **self.progress(), "last_logged_step": self.wandb.last_step,
             "wandb_rows": self.wandb.rows,   # durable with the checkpoint (wandb_run.py)
             "policy_versions": list(self.engine_versions),
             "wandb": self.wandb.identity or {}, "run_uid": self.run_uid,
@@ -413,6 +405,21 @@ class Session:
         writes = [learner.saved.remote() for learner in self.learners]
         self.pending_checkpoint = (self.epoch, writes,
                                    self.checkpointer.commit.remote(self.epoch, metadata, *writes))
+
+    def progress(self) -> dict:
+        """The counters a checkpoint records (`save_checkpoint`, and comlrl's manual save),
+        under its metadata's names; `_restore_progress` reads them back on a resume and on a
+        heal from the newest checkpoint."""
+        return {"env_step": self.trainer.env_step, "epoch": self.epoch,
+                "update_index": self.learner_updates, "last_train_log": self.last_train_log}
+
+    def _restore_progress(self, meta: dict) -> None:
+        """Set the counters from checkpoint metadata; {} is a fresh start. The only place
+        besides the rollout (which counts it up) that writes the trainer's env_step."""
+        self.trainer.env_step = int(meta.get("env_step", 0))
+        self.epoch = int(meta.get("epoch", 0))
+        self.learner_updates = int(meta.get("update_index", 0))
+        self.last_train_log = int(meta.get("last_train_log", -1))
 
     def _warn_if_disk_is_short(self) -> None:
         import warnings

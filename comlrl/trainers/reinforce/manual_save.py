@@ -40,10 +40,8 @@ def record_final_state(trainer: Any, session: Any) -> None:
         "checkpoint": str(last) if last is not None and last.name ==
         f"checkpoint-{session.epoch}" and last.is_dir() else None,
         "metadata": {
-            "env_step": trainer.env_step, "epoch": session.epoch,
-            "update_index": session.learner_updates,
+            **session.progress(),
             "last_logged_step": wandb.last_step if wandb is not None else -1,
-            "last_train_log": session.last_train_log,
             "wandb_rows": list(wandb.rows) if wandb is not None else [],
             "policy_versions": list(session.engine_versions),
             "wandb": (wandb.identity if wandb is not None else None) or {},
