@@ -13,7 +13,6 @@ from typing import Any
 
 from comlrl.centralized import CentralizedReward
 from comlrl.config import MAGRPOConfig
-from comlrl.fingerprints import fingerprint_callable
 from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
 
 
@@ -79,16 +78,10 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         joint = super()._eval_completions(episodes)
         return self.centralized_collaboration.split_eval(joint, [ep.row for ep in episodes])
 
-    def fingerprints(self, model_folders: list[str]) -> dict:
+    def _user_callables(self) -> dict:
         """MAGRPO's, with the user's own callables in place of the wrapper around them: the
         task reward, the roles' formatters, and the adapter (its class source and state)."""
-        prints = super().fingerprints(model_folders)
         collab = self.centralized_collaboration
-        warn = not self.args.skip_callable_fingerprints
-        prints["reward_func"] = fingerprint_callable(collab.task_reward, "reward_func", warn)
-        prints["formatters"] = [
-            fingerprint_callable(getattr(f, "user", None), f"formatters[{i}]", warn)
-            for i, f in enumerate(collab.role_formatters)]
-        prints["centralized_adapter"] = fingerprint_callable(
-            collab.adapter, "centralized_adapter", warn)
-        return prints
+        return {**super()._user_callables(), "reward_func": collab.task_reward,
+                "formatters": [getattr(f, "user", None) for f in collab.role_formatters],
+                "centralized_adapter": collab.adapter}

@@ -287,6 +287,13 @@ class MAGRPOTrainer:
             check_checkpoint_dir(checkpoint_dir, meta)
         return meta
 
+    def _user_callables(self) -> dict:
+        """The user's callables a resume must not change, by fingerprint key (a list: one per
+        agent). A trainer that wraps them (the centralized one) names the user's own here."""
+        return {"reward_func": self.reward_func, "reward_processor": self.reward_processor,
+                "external_transition": self.external_transition,
+                "formatters": [getattr(f, "user", None) for f in self.formatters]}
+
     def fingerprints(self, model_folders: list[str]) -> dict:
         """What must not change between a checkpoint and its resume."""
         cfg = {k: v for k, v in self.args.to_dict().items() if k not in RESUMABLE_FIELDS}
@@ -299,17 +306,15 @@ class MAGRPOTrainer:
         with ThreadPoolExecutor(max(1, len(model_folders))) as pool:
             models = list(pool.map(fingerprint_model_folder, model_folders))
 
+        callables = {key: [callable_print(f, f"{key}[{i}]") for i, f in enumerate(value)]
+                     if isinstance(value, list) else callable_print(value, key)
+                     for key, value in self._user_callables().items()}
         return {
             "config": cfg,
             "num_agents": self.num_agents,
             "dataset": fingerprint_rows(self.train_rows),
             "eval_dataset": fingerprint_rows(self.eval_rows),
-            "reward_func": callable_print(self.reward_func, "reward_func"),
-            "reward_processor": callable_print(self.reward_processor, "reward_processor"),
-            "external_transition": callable_print(self.external_transition,
-                                                  "external_transition"),
-            "formatters": [callable_print(getattr(f, "user", None), f"formatters[{i}]")
-                           for i, f in enumerate(self.formatters)],
+            **callables,
             "models": models,
             "tokenizers": [fingerprint_tokenizer(t) for t in self.tokenizers],
         }
