@@ -7,7 +7,7 @@ plain class, no Ray) takes one update so that AdamW holds its moments, then
     rename: the checkpointer's part),
 against the same number of bytes written once from one memory buffer to new files in the same
 folder with ordinary writes, no copy, no hash, no fsync (the floor of a buffered write; the
-optimizer file, written past the page cache (`comlrl.checkpoint_write`), can beat it). Each
+optimizer file, written past the page cache (`workers.checkpoint_write`), can beat it). Each
 part is timed as wall and CPU seconds of this process (the write thread included). On 2 busy
 cores a checkpoint's CPU seconds are roughly what it adds to an epoch.
 
@@ -46,7 +46,7 @@ def write_floor(folder: Path, buf: memoryview, parts: int) -> None:
 
 def one_size(size: str, agents: int, root: Path) -> dict:
     from comlrl.checkpoint import begin_staging, commit_checkpoint
-    from workers.learner import Learner
+    from workers.roles.learner import Learner
 
     folder = bl.model_path(size)
     learner = Learner(0, str(folder), learning_rate=1e-5, train_batch_size=2, threads=1)

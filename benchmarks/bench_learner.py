@@ -1,4 +1,5 @@
-"""One learner step, batched (workers/learner.py) against a per-completion loop (comlrl 1.4.3).
+"""One learner step, batched (workers/roles/learner.py) against a per-completion loop
+(comlrl 1.4.3).
 
 Same model, same samples: one agent's mini-batch of the seed run (train_batch_size=2 prompt
 groups x K=4 completions of up to 64 tokens, some cut at EOS). The batched step is
@@ -59,7 +60,7 @@ def make_samples(tokenizer, vocab: int, seed: int = 0) -> list[dict]:
 
 
 def batched_loss(model, groups, pad_id: int):
-    """Our learner's computation (workers/learner.py Learner.update, one mini-batch)."""
+    """Our learner's computation (workers/roles/learner.py Learner.update, one mini-batch)."""
     import torch
 
     from comlrl.magrpo import pad_batch, policy_loss, token_logprobs

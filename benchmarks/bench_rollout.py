@@ -1,6 +1,6 @@
 """Generation tokens per second: the vLLM engine against Hugging Face `generate`.
 
-Both are this project's engines (`comlrl.engines.VLLMEngine` and `HFEngine`) with the seed
+Both are this project's engines (`workers.engines.VLLMEngine` and `HFEngine`) with the seed
 config's sampling (temperature 0.6, top_p 0.6, top_k 50, 64 new tokens, n=4 per prompt), fed
 1, 4 and 16 prompts per call (the seed prompts, repeated). Each (engine, model) runs in its own
 subprocess because an in-process vLLM engine changes its host's torch threads and RNG; torch
@@ -41,7 +41,7 @@ def child(engine_name: str, size: str, batches: list[int], repeats: int, threads
     import torch
     from transformers import AutoTokenizer
 
-    from comlrl.engines import ENGINE_ENV, SamplingSettings, make_engine
+    from workers.engines import ENGINE_ENV, SamplingSettings, make_engine
 
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)

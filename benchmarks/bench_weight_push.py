@@ -1,8 +1,8 @@
 """Seconds to push weights from a learner to a rollout worker, against state-dict bytes.
 
-The trainer's path, on real actors (`workers.launch.start_actor` with `workers.learner.Learner`
-and `workers.rollout.RolloutWorker` hosting a vLLM engine): the learner copies its state dict
-to CPU tensors and Ray puts them in the object store (`get_weights`); the worker receives them
+The trainer's path, on real actors (`workers.ray_calls.start_actor` with
+`workers.roles.learner.Learner` and `workers.roles.rollout_worker.RolloutWorker` hosting a vLLM
+engine): the learner copies its state dict to CPU tensors and Ray puts them in the object store (`get_weights`); the worker receives them
 and vLLM reloads them (`update_weights` -> `reload_weights`, prefix cache reset). Next to it, a
 plain in-memory copy of the same bytes (`torch.clone` of every tensor, in this process), the
 floor for any transport that copies once (and a copy_ into tensors allocated beforehand).
@@ -56,9 +56,10 @@ def bench_size(size: str, repeats: int, threads: int, agents: int) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from workers.launch import Placement, kill_actors, start_actor
-    from workers.learner import Learner
-    from workers.rollout import RolloutWorker
+    from workers.driver.placement import Placement
+    from workers.ray_calls import kill_actors, start_actor
+    from workers.roles.learner import Learner
+    from workers.roles.rollout_worker import RolloutWorker
 
     folder = bl.model_path(size)
     eos = AutoTokenizer.from_pretrained(folder).eos_token_id
@@ -121,7 +122,7 @@ def main() -> None:
     for s in sizes:
         bl.model_path(s)
 
-    from workers.launch import ensure_ray
+    from workers.driver.cluster import ensure_ray
 
     import ray
 

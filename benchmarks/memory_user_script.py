@@ -10,7 +10,7 @@ repository's library itself (the reward is loaded from examples/rewards.py by pa
 Each phase appends "<time.time()> <phase> start" and "... end" lines to --phase-log. The
 script's own phases, on both sides: "load models" (the first trainer's agents), "construct"
 (each MAGRPOTrainer(...)), "train" (the first train()) and "resume" (the second trainer's
-construction and train()). Where `workers.session` imports (this project), its Session's
+construction and train()). Where `workers.driver.session` imports (this project), its Session's
 methods are wrapped too: _start -> "start", generate -> "generation", update_and_push ->
 "update" (with the push to colocated engines), push_weights -> "push", save_checkpoint and
 wait_checkpoint -> "checkpoint", pull_weights -> "pull back". comlrl 1.4.3 has no such class.
@@ -74,9 +74,9 @@ SESSION_PHASES = {"_start": "start", "generate": "generation", "update_and_push"
                   "push_weights": "push", "save_checkpoint": "checkpoint",
                   "wait_checkpoint": "checkpoint", "pull_weights": "pull back"}
 try:
-    from workers.session import Session
+    from workers.driver.session import Session
 except Exception as exc:  # noqa: BLE001 - comlrl 1.4.3 (ImportError): its internals differ
-    print(f"memory_user_script: not tracing workers.session ({type(exc).__name__})", flush=True)
+    print(f"memory_user_script: not tracing workers.driver.session ({type(exc).__name__})", flush=True)
     Session = None
 traced_methods = []
 if Session is not None:

@@ -47,13 +47,13 @@ def add(key: str, seconds: float) -> None:
 
 
 def install_timers() -> None:
-    import comlrl.magrpo as magrpo
+    import comlrl.rewards as rewards
     import comlrl.trainers.reinforce.magrpo as trainer_mod
-    import workers.actors as actors_mod
-    import workers.launch as launch
-    import workers.pool as pool
+    import workers.driver.actors as actors_mod
+    import workers.driver.session as session_mod
+    import workers.ray_calls as ray_calls
     from comlrl.wandb_run import WandbRun
-    from workers.session import Session
+    from workers.driver.session import Session
 
     def timed(owner, name, key, before=None):
         original = getattr(owner, name)
@@ -69,7 +69,7 @@ def install_timers() -> None:
 
         setattr(owner, name, wrapper)
 
-    real_ray_get = launch.ray_get
+    real_ray_get = ray_calls.ray_get
     engine_seconds: list[float] = []          # per generate round: each worker's own seconds
 
     def ray_get(refs, what):
@@ -89,7 +89,9 @@ def install_timers() -> None:
             add(f"ray_get: {what}", dt)
         return out
 
-    launch.ray_get = pool.ray_get = ray_get   # pool imported it by name
+    for module in list(sys.modules.values()):     # every driver module imported it by name
+        if getattr(module, "ray_get", None) is real_ray_get:
+            module.ray_get = ray_get
 
     real_generate = Session.generate
 
@@ -107,13 +109,12 @@ def install_timers() -> None:
 
     try:  # the reload seconds come back from update_weights through the transport's refs
         import ray
-        import workers.transport as transport
-        from workers.transport import ColocatedTransport
+        from workers.transports.object_store import ColocatedTransport, ObjectStoreTransport
 
         pushed: list = []
         # An agent host's own engine loads in-process (`load_own_weights`), any further
         # worker of the agent through the object store: each push's refs, counted once.
-        for cls in (transport.ObjectStoreTransport, ColocatedTransport):
+        for cls in (ObjectStoreTransport, ColocatedTransport):
             def push(self, *args, _real=cls.__dict__["push"], _cls=cls, **kwargs):
                 refs = _real(self, *args, **kwargs)
                 if type(self) is _cls:
@@ -144,14 +145,14 @@ def install_timers() -> None:
             EPOCH_CPU.setdefault(epoch, cpu_by_process())
 
     timed(trainer_mod, "run_episode_batch", "rollout (driver total)", before=on_rollout)
-    timed(magrpo, "call_reward", "reward_func")
+    timed(rewards, "call_reward", "reward_func")
     timed(Session, "update_and_push", "update_and_push (driver total)")
     timed(Session, "push_weights", "weight push (driver total)")
     timed(Session, "log_step", "W&B log_step")
     timed(Session, "save_checkpoint", "checkpoint: save (learners write, commit queued)")
     timed(Session, "wait_checkpoint", "checkpoint: wait for commit")
     timed(Session, "pull_weights", "pull final weights")
-    timed(launch, "ensure_ray", "ray.init")
+    timed(session_mod, "ensure_ray", "ray.init")
     timed(actors_mod, "pack_model_folder", "pack model folders")
     timed(trainer_mod.MAGRPOTrainer, "fingerprints", "fingerprints")
     timed(WandbRun, "start", "wandb.init")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from comlrl import magrpo
+from comlrl import rewards
 from comlrl.inputs import build_formatters
 
 
@@ -29,7 +29,7 @@ class CentralizedReward:
         self.num_roles = num_roles
         self.role_formatters = build_formatters(formatters, num_roles)
         self.task_reward = reward_func
-        self.task_style = magrpo.reward_call_style(reward_func, num_roles)
+        self.task_style = rewards.reward_call_style(reward_func, num_roles)
 
     def build_prompt(self, row: dict) -> str:
         prompt = self.adapter.build_prompt(row, [f(row) for f in self.role_formatters])
@@ -58,14 +58,14 @@ class CentralizedReward:
                  batch_items: Sequence[dict] | None = None) -> list[float]:
         if not batch_items or len(batch_items) not in (1, len(completions)):
             raise ValueError("centralized rewards need batch_items, one row per completion.")
-        rewards = []
+        scores = []
         for i, completion in enumerate(completions):
             row = batch_items[0] if len(batch_items) == 1 else batch_items[i]
             roles = [[output] for output in self.split(completion, row)]
-            rewards += magrpo.call_reward(self.task_reward, roles,
+            scores += rewards.call_reward(self.task_reward, roles,
                                           prompts=[self.role_formatters[0](row)],
                                           batch_items=[row], style=self.task_style)
-        return rewards
+        return scores
 
     def split_eval(self, completions: list, rows: Sequence[dict]) -> list:
         """The evaluation logger's `agent_completions_turns` per role: `completions` holds the

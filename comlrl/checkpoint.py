@@ -28,10 +28,11 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from comlrl.checkpoint_write import DIGEST, file_digest, file_sha256  # noqa: F401 (re-exported)
+from comlrl.digests import DIGEST, file_digest
 
 FORMAT = "comlrl-split-checkpoint"
 FORMAT_VERSION = 2
@@ -188,11 +189,9 @@ def verify_checksums(path: str | os.PathLike, meta: dict | None = None,
                      direct: bool = False) -> None:
     """Raise CheckpointError naming the first file (by name) whose bytes differ from the
     recorded hash. Files are read in parallel: a checkpoint just written with O_DIRECT is not
-    in the page cache, and one reader waits on the disk; four read 1.84 GB in 1.7-1.8 s
-    where one took 3.0-3.2 s (76.6M, just after the run wrote it; BENCHMARKS.md). `direct`
-    reads past the page cache (`file_digest`), for files the learners will not read next."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    in the page cache, and one reader waits on the disk; several readers finish well before
+    one (BENCHMARKS.md). `direct` reads past the page cache (`file_digest`), for files the
+    learners will not read next."""
     folder = Path(path)
     meta = meta or read_checkpoint_metadata(folder)
     files = sorted(meta.get("files", {}).items())

@@ -66,21 +66,36 @@ def check_checkpoint_dir(checkpoint_dir: str | os.PathLike, resume_meta: dict | 
     d = Path(checkpoint_dir)
     if not d.exists() and not d.is_symlink():
         return
+    entries = _repaired_entries(d)
+    resuming = resume_meta is not None
+    run_uid = resume_meta.get("run_uid") if resuming else None
+    whole, leftovers, colliding, foreign = _sort_entries(entries)
+    _refuse_unusable(d, resuming, run_uid, whole, leftovers, colliding, foreign)
+
+
+def _repaired_entries(d: Path) -> list[Path]:
+    """The entries of folder `d` after `recover_interrupted_commits`, sorted; CheckpointError
+    when `d` is not a folder or cannot be read or repaired."""
     if not d.is_dir():
         raise CheckpointError(f"checkpoint_dir {d} exists and is not a folder; pass a folder path "
                               f"(new or empty) as checkpoint_dir.")
     try:
         recover_interrupted_commits(d)
-        entries = sorted(d.iterdir())
+        return sorted(d.iterdir())
     except OSError as exc:
         raise CheckpointError(f"checkpoint_dir {d} cannot be read or repaired ({exc}); fix its "
                               f"permissions or pick another checkpoint_dir.") from exc
-    resuming = resume_meta is not None
-    run_uid = resume_meta.get("run_uid") if resuming else None
-    whole: list[tuple[str, Any]] = []       # (name, run_uid) of our whole checkpoints
-    leftovers: list[tuple[str, str]] = []   # (name, owner run_uid)
-    colliding: list[str] = []               # foreign things under names we write
-    foreign: list[str] = []                 # anything else not ours
+
+
+def _sort_entries(entries: list[Path]) -> tuple[list, list, list, list]:
+    """Sort a checkpoint folder's entries by who wrote them: (whole, leftovers, colliding,
+    foreign). whole: (name, run_uid) of our whole checkpoints; leftovers: (name, owner
+    run_uid) of our half-written or half-deleted folders; colliding: foreign things under
+    names we write, with the reason; foreign: anything else not ours. The journal is skipped."""
+    whole: list[tuple[str, Any]] = []
+    leftovers: list[tuple[str, str]] = []
+    colliding: list[str] = []
+    foreign: list[str] = []
     for p in entries:
         name = p.name
         if name in (JOURNAL, JOURNAL + ".tmp") and _is_journal(p):
@@ -108,7 +123,13 @@ def check_checkpoint_dir(checkpoint_dir: str | os.PathLike, resume_meta: dict | 
             colliding.append(f"{name} (no comlrl-split marker or metadata)")
         else:
             foreign.append(name + ("/" if p.is_dir() else ""))
+    return whole, leftovers, colliding, foreign
 
+
+def _refuse_unusable(d: Path, resuming: bool, run_uid: Any, whole: list, leftovers: list,
+                     colliding: list, foreign: list) -> None:
+    """Raise CheckpointError for the first rule the sorted entries of `d` break (see
+    `check_checkpoint_dir`): collisions, then another run's checkpoints, then foreign files."""
     fix_empty = "pick a new or empty checkpoint_dir for this run"
     if colliding:
         raise CheckpointError(

@@ -22,6 +22,11 @@ _OTHER_TORCH_DEVICES = ("ipu xpu mkldnn opengl opencl ideep hip ve fpga maia xla
 ROLLOUT_ENGINES = ("vllm", "hf")
 LOSS_AGGREGATIONS = ("sequence", "token_mean")
 
+WEIGHT_TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc")
+"""The names `weight_transport` accepts ('auto' resolves to one of the other three)."""
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Default `weight_bucket_bytes`: the most bytes one bucket of a bucketed weight push holds."""
+
 # Settings that may differ between a checkpointed run and its resume: they change where and how
 # fast the run executes, or how often it logs, never what it computes.
 RESUMABLE_FIELDS = frozenset({
@@ -155,8 +160,8 @@ class MAGRPOConfig:
     memory_check: bool = True
     """Before any actor starts, estimate the memory the run needs on this machine (or GPU)
     from the agents' parameter counts and the layout, and refuse a run that will not fit,
-    naming the settings that help (`workers/memory.py`); False skips the check."""
-    weight_bucket_bytes: int = 256 * 1024 * 1024
+    naming the settings that help (`workers/driver/memory.py`); False skips the check."""
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bucket size of the bucketed broadcast / CUDA IPC weight transports (>= 1 MiB): weights
     travel in buckets of at most this many bytes. Replaces the environment variable
     COMLRL_WEIGHT_BUCKET_BYTES."""
@@ -187,6 +192,25 @@ class MAGRPOConfig:
     """Free-form settings recorded in W&B and checkpoints (not interpreted)."""
 
     def __post_init__(self) -> None:
+        """Validate every field, raising a ValueError that names the first bad one, and fill in
+        the derived values (train_batch_size, the lower-cased modes, single_gpu's sleep mode).
+        The checks run in a fixed order, so the same config always reports the same error."""
+        self._check_counts()
+        self._check_algorithm_fields()
+        self._check_actor_resources()
+        self._check_run_control_fields()
+        self._check_weight_push_fields()
+        if not isinstance(self.skip_callable_fingerprints, bool):
+            raise ValueError(f"skip_callable_fingerprints must be True or False "
+                             f"(got {self.skip_callable_fingerprints!r}).")
+        self._check_colocate()
+        self._check_placement_fields()
+        self._apply_single_gpu()
+
+    # ---------------------------------------------------------------- field checks
+
+    def _check_counts(self) -> None:
+        """Epochs, agents, batch sizes, turns and evaluation counts; defaults train_batch_size."""
         positive_ints = ("num_train_epochs", "num_agents", "rollout_buffer_size", "num_turns",
                          "logging_steps", "eval_batch_size", "max_new_tokens",
                          "tensor_parallel_size", "rollout_workers_per_agent")
@@ -206,6 +230,10 @@ class MAGRPOConfig:
             self.train_batch_size = self.rollout_buffer_size
         if self.train_batch_size < 1:
             raise ValueError(f"train_batch_size must be >= 1 (got {self.train_batch_size!r}).")
+
+    def _check_algorithm_fields(self) -> None:
+        """What the run computes: learning rate, sampling, discount, advantage and joint modes,
+        rollout engine, loss aggregation and the reference KL weight."""
         if not self.agent_learning_rate > 0:
             raise ValueError(f"agent_learning_rate must be > 0 (got {self.agent_learning_rate!r}).")
         if not self.temperature > 0:
@@ -235,6 +263,10 @@ class MAGRPOConfig:
             )
         if self.reference_kl_coef < 0:
             raise ValueError(f"reference_kl_coef must be >= 0 (got {self.reference_kl_coef!r}).")
+
+    def _check_actor_resources(self) -> None:
+        """What each actor gets: engine memory, Ray CPUs/GPUs, torch threads, learner device and
+        Ray custom resources."""
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1) (got {self.gpu_memory_utilization!r})."
@@ -263,6 +295,9 @@ class MAGRPOConfig:
             if {"CPU", "GPU"} & set(res):
                 raise ValueError(f"{name}: set CPUs and GPUs with {name[:-10]}_num_cpus / "
                                  f"{name[:-10]}_num_gpus, not as custom resources.")
+
+    def _check_run_control_fields(self) -> None:
+        """Actor restarts, the memory check and the placement timeout."""
         if isinstance(self.max_actor_restarts, bool) or not isinstance(
                 self.max_actor_restarts, int) or self.max_actor_restarts < 0:
             raise ValueError(f"max_actor_restarts must be an int >= 0 "
@@ -272,7 +307,10 @@ class MAGRPOConfig:
         if not self.placement_timeout_s > 0:
             raise ValueError(
                 f"placement_timeout_s must be > 0 (got {self.placement_timeout_s!r}).")
-        if self.weight_transport not in ("auto", "object_store", "nccl", "cuda_ipc"):
+
+    def _check_weight_push_fields(self) -> None:
+        """weight_transport (one of WEIGHT_TRANSPORTS) and weight_bucket_bytes (an int >= 1 MiB)."""
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(
                 f"weight_transport must be 'auto', 'object_store', 'nccl' or 'cuda_ipc' "
                 f"(got {self.weight_transport!r}).")
@@ -281,19 +319,21 @@ class MAGRPOConfig:
                 self.weight_bucket_bytes < 1 << 20):
             raise ValueError(f"weight_bucket_bytes must be an int of at least 1 MiB (1048576) "
                              f"(got {self.weight_bucket_bytes!r}).")
-        if not isinstance(self.skip_callable_fingerprints, bool):
-            raise ValueError(f"skip_callable_fingerprints must be True or False "
-                             f"(got {self.skip_callable_fingerprints!r}).")
+
+    def _check_colocate(self) -> None:
+        """colocate is True, False or 'auto'; True needs the in-process/object-store push."""
         if not (isinstance(self.colocate, bool) or self.colocate == "auto"):
             raise ValueError(f"colocate must be True, False or 'auto' (got {self.colocate!r}).")
         if self.colocate is True and self.weight_transport not in ("auto", "object_store"):
             raise ValueError(f"colocate=True copies weights to each learner's own engine in its "
                              f"process (and through the object store to further workers); "
                              f"leave weight_transport='auto' (got {self.weight_transport!r}).")
-        self._check_placement_fields()
+
+    def _apply_single_gpu(self) -> None:
+        """single_gpu: needs tensor_parallel_size=1 and turns on enable_sleep_mode."""
         if self.single_gpu:
-            # One GPU shared by every actor: workers.launch.plan_placement gives each actor a
-            # fraction of it and each engine a part of gpu_memory_utilization.
+            # One GPU shared by every actor: workers.driver.placement.plan_placement gives each
+            # actor a fraction of it and each engine a part of gpu_memory_utilization.
             if self.tensor_parallel_size != 1:
                 raise ValueError(f"single_gpu needs tensor_parallel_size=1 "
                                  f"(got {self.tensor_parallel_size!r}).")

@@ -20,7 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from comlrl.checkpoint import CheckpointError, file_sha256
+from comlrl.checkpoint import CheckpointError
+from comlrl.digests import file_sha256
 
 # The callables fingerprinted by the trainer; skip_callable_fingerprints ignores these keys.
 CALLABLE_FINGERPRINT_KEYS = frozenset(

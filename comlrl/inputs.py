@@ -6,6 +6,7 @@ error that names the argument and the fix.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 
@@ -26,8 +27,6 @@ def dataset_rows(dataset: Any, name: str) -> list[dict] | None:
 
 def build_formatters(formatters: Any, num_agents: int) -> list[Callable]:
     """One formatter per agent, each callable as f(row, external_prompts=None) -> str."""
-    import inspect
-
     def default(row: dict, external_prompts: Any = None) -> str:
         return external_prompts if external_prompts is not None else row.get("prompt", "")
 

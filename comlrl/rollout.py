@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from comlrl import magrpo
+from comlrl import magrpo, rewards
 
 
 @dataclass
@@ -101,8 +101,9 @@ def sequences_per_call(args: Any, num_agents: int) -> int:
 
 
 PROMPT_SCAN_LIMIT = 1024
-"""The most prompts (rows x agents) `longest_sequence` formats and tokenizes at start:
-~0.1 s on the driver; past that the engines plan for their longest length."""
+"""The most prompts (rows x agents) `longest_sequence` formats and tokenizes at start, so the
+scan stays a small start-up cost on the driver (BENCHMARKS.md); past that the engines plan for
+their longest length."""
 
 
 def longest_sequence(trainer: Any) -> int | None:
@@ -169,7 +170,7 @@ def run_episode_batch(trainer: Any, session: Any, epoch: int, row_indices: list[
             # row repeated once per joint action. p is agent 0's prompt this turn (evaluation:
             # its first-turn prompt, as comlrl's evaluate passes at every turn).
             reward_prompt = ep.root.prompts[0] if evaluation else node.prompts[0]
-            node.rewards = magrpo.call_reward(
+            node.rewards = rewards.call_reward(
                 trainer.reward_func, per_agent, prompts=[reward_prompt] * n,
                 batch_items=[ep.row] * n, style=trainer.reward_style,
                 reward_processor=trainer.reward_processor)

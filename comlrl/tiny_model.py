@@ -7,6 +7,7 @@ model takes. The result is a function of its arguments alone (same seed, same by
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -54,43 +55,12 @@ def build_tiny_model(
     matrix (Qwen2.5-0.5B's layout); the checkpoint then stores it once.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    if hidden_size % num_heads or hidden_size // num_heads < 32:
-        raise ValueError(
-            f"hidden_size={hidden_size} / num_heads={num_heads} must be a whole head_dim >= 32 "
-            "(vLLM's CPU attention); raise hidden_size or lower num_heads."
-        )
+    _check_head_dim(hidden_size, num_heads)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_CORPUS, trainer=trainer)
-    trained = bpe.get_vocab_size()
-    if trained < vocab_size:
-        # Only past what the corpus yields, so the smaller vocabularies' files are unchanged.
-        from tokenizers import AddedToken
-
-        bpe.add_tokens([AddedToken(f"<|filler_{i}|>", special=False, normalized=False)
-                        for i in range(trained, vocab_size)])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=specials[1:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out)
+    tokenizer = _write_tokenizer(out, vocab_size)
 
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -122,9 +92,52 @@ def build_tiny_model(
     return out
 
 
-def main() -> None:
-    import argparse
+def _check_head_dim(hidden_size: int, num_heads: int) -> None:
+    """Refuse a head_dim that is not whole or is below vLLM's CPU attention minimum (32)."""
+    if hidden_size % num_heads or hidden_size // num_heads < 32:
+        raise ValueError(
+            f"hidden_size={hidden_size} / num_heads={num_heads} must be a whole head_dim >= 32 "
+            "(vLLM's CPU attention); raise hidden_size or lower num_heads."
+        )
 
+
+def _write_tokenizer(out: Path, vocab_size: int):
+    """Train the byte-level BPE on `_CORPUS`, fill it up to `vocab_size` with filler tokens,
+    wrap it with the chat template and eos = pad = `<|endoftext|>`, save it into `out` and
+    return it (a `PreTrainedTokenizerFast`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_CORPUS, trainer=trainer)
+    trained = bpe.get_vocab_size()
+    if trained < vocab_size:
+        # Only past what the corpus yields, so the smaller vocabularies' files are unchanged.
+        from tokenizers import AddedToken
+
+        bpe.add_tokens([AddedToken(f"<|filler_{i}|>", special=False, normalized=False)
+                        for i in range(trained, vocab_size)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=build_tiny_model.__doc__)
     parser.add_argument("output_dir")
     parser.add_argument("--seed", type=int, default=0)

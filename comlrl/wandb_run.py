@@ -10,9 +10,13 @@ is the floor instead.
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -177,11 +181,6 @@ def steps_on_disk(run_id: str, wandb_config: dict | None) -> set[int] | None:
     before W&B flushed the row, and offline W&B cannot be asked. Reads every run folder of the
     id (one per resumed process) under the run's W&B dir with `wandb leet inspect --json`.
     """
-    import json
-    import shutil
-    import subprocess
-    import sys
-
     base = (wandb_config or {}).get("dir") or os.environ.get("WANDB_DIR") or os.getcwd()
     files = sorted(Path(base).glob(f"wandb/*run-*-{run_id}/*.wandb"))
     exe = Path(sys.executable).parent / "wandb"

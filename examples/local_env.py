@@ -6,8 +6,8 @@ need it because they start Ray themselves; tests/conftest.py exports it for the 
 session and benchmarks/benchlib.py for every benchmark process (adding a Ray temp folder).
 """
 
-from comlrl.engines import ENGINE_ENV
-from workers.launch import LOCAL_RAY_ENV
+from workers.engines import ENGINE_ENV
+from workers.driver.cluster import LOCAL_RAY_ENV
 
 LOCAL_ENV = {
     **LOCAL_RAY_ENV,

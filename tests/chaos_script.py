@@ -52,11 +52,11 @@ def _hold(kind: str, n: int, marker: str) -> None:
 
 
 def _install() -> None:
-    from workers import launch, pool
-    from workers.session import Session
+    from workers.driver import pool, session as session_module
+    from workers.driver.session import Session
 
     generate, update_and_push = Session.generate, Session.update_and_push
-    push_weights, ray_get = Session.push_weights, launch.ray_get
+    push_weights, ray_get = Session.push_weights, session_module.ray_get
     pool_ray_get = pool.ray_get
 
     def probed_generate(self, requests_per_agent, record):
@@ -73,7 +73,7 @@ def _install() -> None:
         return update_and_push(self, *args, **kwargs)
 
     def probed_ray_get(refs, what):
-        # Session.update_and_push imports ray_get when it runs, so it gets this one.
+        # Session.update_and_push calls its module's ray_get, so it gets this one.
         if what == "learners updating":
             _hold("update", _count["update"], "update-held")
         return ray_get(refs, what)
@@ -109,7 +109,7 @@ def _install() -> None:
     Session.generate = probed_generate
     Session.update_and_push = probed_update_and_push
     Session.push_weights = probed_push_weights
-    launch.ray_get = probed_ray_get
+    session_module.ray_get = probed_ray_get
     pool.ray_get = probed_pool_ray_get
 
 

@@ -1,5 +1,5 @@
-"""Actors: which parked actors a later train() may take (workers/actors.py `warm_key`, pure),
-how a local Ray gives them their environment, and an agent host (workers/colocated.py)."""
+"""Actors: which parked actors a later train() may take (workers/driver/actors.py `warm_key`, pure),
+how a local Ray gives them their environment, and an agent host (workers/roles/agent_host.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from comlrl.config import MAGRPOConfig
 from comlrl.inputs import build_formatters
 from comlrl.tiny_model import build_tiny_model
 from tests.test_rollout_tree import FakeTokenizer
-from workers.actors import Actors, actor_settings, model_shape, use_folders, warm_key
-from workers.launch import plan_placement
+from workers.driver.actors import Actors, actor_settings, model_shape, use_folders, warm_key
+from workers.driver.placement import plan_placement
 from workers.model_source import pack_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_final_weights_go_into_fresh_memory_of_the_same_parameters(tmp_path: Pat
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from workers.learner import into_fresh_memory
+    from workers.roles.learner import into_fresh_memory
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -127,7 +127,7 @@ def test_a_cpu_learner_trains_weights_in_memory_of_its_own(tiny_model):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from workers.learner import Learner
+    from workers.roles.learner import Learner
 
     def inside_file(model) -> list[str]:
         ranges = _mapped_from("model.safetensors")
@@ -171,8 +171,8 @@ def test_a_packed_model_is_written_out_for_loading_and_removed_even_when_loading
     otherwise fill /tmp with copies); a folder path is used in place and left alone."""
     import tempfile
 
-    from workers.learner import Learner
-    from workers.rollout import RolloutWorker
+    from workers.roles.learner import Learner
+    from workers.roles.rollout_worker import RolloutWorker
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -204,7 +204,7 @@ def test_a_checkpoint_write_holds_the_state_of_its_save_though_an_update_follows
     from safetensors.torch import load_file
 
     from comlrl.checkpoint import file_digest
-    from workers.learner import OPTIMIZER_FILE, RNG_FILE, Learner
+    from workers.roles.learner import OPTIMIZER_FILE, RNG_FILE, Learner
 
     learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
     learner.update(_groups(), shuffle_seed=0)          # AdamW state exists from here on
@@ -254,7 +254,7 @@ def _groups() -> list[dict]:
 
 def _saved_learner(tiny_model, folder: Path):
     """A learner after one update, its state saved into `folder` (as a checkpoint's agent)."""
-    from workers.learner import Learner
+    from workers.roles.learner import Learner
 
     learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=2)
     learner.update(_groups(), shuffle_seed=0)
@@ -272,7 +272,7 @@ def test_a_learner_restores_adamw_state_into_its_own_memory_never_the_files_mapp
     AdamW's in-place writes would fault and copy page by page."""
     import torch
 
-    from workers.learner import OPTIMIZER_FILE, Learner
+    from workers.roles.learner import OPTIMIZER_FILE, Learner
 
     folder = tmp_path / "agent_0"
     warm = _saved_learner(tiny_model, folder)
@@ -315,7 +315,7 @@ def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
     import torch
 
     from comlrl.checkpoint import file_digest
-    from workers.learner import OPTIMIZER_FILE, Learner
+    from workers.roles.learner import OPTIMIZER_FILE, Learner
 
     folder = tmp_path / "agent_0"
     learner = _saved_learner(tiny_model, folder)
@@ -358,8 +358,10 @@ def test_a_learner_resumes_without_reading_a_checkpoint_its_state_still_is(
 
 PROBE = """
 import json, os
-from comlrl.engines import ENGINE_ENV
-from workers.launch import Placement, ensure_ray, kill_actors, start_actor
+from workers.engines import ENGINE_ENV
+from workers.driver.placement import Placement
+from workers.driver.cluster import ensure_ray
+from workers.ray_calls import kill_actors, start_actor
 
 
 class Probe:
@@ -385,7 +387,7 @@ def test_a_local_ray_gives_actors_the_engine_env_and_leaves_the_driver_as_it_was
     import subprocess
     import sys
 
-    from comlrl.engines import ENGINE_ENV
+    from workers.engines import ENGINE_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in ENGINE_ENV}
     env["VLLM_LOGGING_LEVEL"] = "DEBUG"            # the user's own value
@@ -425,7 +427,7 @@ def test_the_engine_env_keeps_freed_memory_for_the_next_update():
     import subprocess
     import sys
 
-    from comlrl.engines import ENGINE_ENV
+    from workers.engines import ENGINE_ENV
 
     def fault_rounds(env: dict) -> list[int]:
         proc = subprocess.run([sys.executable, "-c", ALLOC_ROUNDS], env=env, text=True,
@@ -452,7 +454,7 @@ def test_a_cpu_engine_sizes_its_kv_cache_for_the_runs_largest_call_within_the_ca
     (README)."""
     import json
 
-    from comlrl.engines import CPU_KV_CACHE_CAP, cpu_kv_cache_bytes
+    from workers.engines import CPU_KV_CACHE_CAP, cpu_kv_cache_bytes
 
     def model(**cfg):
         folder = tmp_path / str(len(list(tmp_path.iterdir())))
@@ -485,7 +487,7 @@ def test_a_cpu_engine_sizes_its_kv_cache_for_the_runs_largest_call_within_the_ca
 
 GC_IMPORTS = """
 import gc, json, sys, weakref
-from comlrl.engines import imports_without_gc
+from workers.engines import imports_without_gc
 
 
 class Node:
@@ -553,7 +555,7 @@ def test_actors_import_their_stack_without_the_collector_then_free_its_garbage_o
 @pytest.mark.e2e
 def test_a_host_runs_at_its_learners_threads_and_copies_its_weights_in_process(ray_session,
                                                                                tiny_model):
-    """An agent host (workers/colocated.py) asked for 1 engine thread and 2 learner threads
+    """An agent host (workers/roles/agent_host.py) asked for 1 engine thread and 2 learner threads
     runs at 2: vLLM makes `torch.set_num_threads` a no-op once its engine has started, so the
     host starts the engine with the learner's count. After an update, `load_own_weights` puts
     the learner's weights into the host's own engine: the engine scores a completion as the
@@ -561,8 +563,9 @@ def test_a_host_runs_at_its_learners_threads_and_copies_its_weights_in_process(r
     import ray
 
     from tests.learner_probe import sequence_logprobs
-    from workers.colocated import AgentHost
-    from workers.launch import Placement, kill_actors, start_actor
+    from workers.roles.agent_host import AgentHost
+    from workers.driver.placement import Placement
+    from workers.ray_calls import kill_actors, start_actor
 
     sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None,
                     stop_token_ids=(0,))

@@ -1,7 +1,7 @@
 """Checkpoint folders we provably own, crash-safe commits, full disks, callable fingerprints.
 
 Everything here runs on real folders with real safetensors/torch files, through the real
-Checkpointer class (without Ray: `workers.launch` only wraps it in `ray.remote`).
+Checkpointer class (without Ray: `workers.driver.cluster` only wraps it in `ray.remote`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from comlrl.checkpoint_dir import (
     check_checkpoint_dir, check_free_space, clean_leftovers, is_disk_full,
 )
 from comlrl.fingerprints import compare_fingerprints, fingerprint_callable
-from workers.checkpointer import Checkpointer
+from workers.roles.checkpointer import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_A, RUN_B = "run-a-0001", "run-b-0002"
@@ -43,7 +43,7 @@ def _save_agent(folder: Path, n_floats: int, seed: int = 0) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from comlrl.checkpoint_write import torch_save_hashed
+    from workers.checkpoint_write import torch_save_hashed
 
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -396,7 +396,7 @@ import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
 from tests.test_checkpoint_safety import _save_agent
-from workers.checkpointer import Checkpointer
+from workers.roles.checkpointer import Checkpointer
 real = os.replace
 def replace(src, dst):
     real(src, dst)
@@ -457,7 +457,7 @@ import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
 from tests.test_checkpoint_safety import _save_agent
-from workers.checkpointer import Checkpointer
+from workers.roles.checkpointer import Checkpointer
 cp = Checkpointer({str(d)!r}, None, {RUN_A!r}, before_publish=lambda staging: os._exit(9))
 _save_agent(Path(cp.begin(3)) / "agent_0", 1000, 3)
 cp.commit(3, {{"epoch": 3, "run_uid": {RUN_A!r}}})
@@ -480,7 +480,7 @@ def test_commit_takes_no_driver_state_and_production_reads_no_pause_variable():
     # agent_files: what each learner's background write reports (`Learner.saved`), which
     # Ray hands to the commit once every write is done.
     assert params == ["self", "epoch", "metadata", "agent_files"]
-    for f in (ROOT / "workers" / "checkpointer.py", ROOT / "comlrl" / "checkpoint.py"):
+    for f in (ROOT / "workers" / "roles" / "checkpointer.py", ROOT / "comlrl" / "checkpoint.py"):
         text = f.read_text()
         assert "COMLRL_CHECKPOINT_PAUSE_S" not in text and "os.environ" not in text
 
@@ -504,7 +504,7 @@ def test_a_hashed_write_is_exactly_the_bytes_given_and_its_digest_is_their_xxh3(
     buffer), written in pieces of any size: the file holds exactly those bytes, past the
     page cache where the disk allows it, and the digest is the xxh3-128 of the bytes, as
     `file_digest` reads it back from the file."""
-    from comlrl.checkpoint_write import BUFFER_BYTES, HashedWriter
+    from workers.checkpoint_write import BUFFER_BYTES, HashedWriter
 
     rng = __import__("random").Random(0)
     for length in (0, 1, 4095, 4096, 4097, BUFFER_BYTES - 1, BUFFER_BYTES + 4096 * 3 + 5):
@@ -528,7 +528,8 @@ def test_files_share_one_reused_buffer_and_keep_nothing_of_each_other(tmp_path, 
     slow on these VMs), files written at once get their own, and a short file written after
     a long one holds only its own bytes, though the buffer still holds the long one's. At
     most KEPT_BUFFERS are kept; the others are unmapped."""
-    from comlrl import checkpoint_write as cw
+    from comlrl import digests
+    from workers import checkpoint_write as cw
 
     long, short = os.urandom(cw.BUFFER_BYTES - 1), b"short"
     with cw.HashedWriter(tmp_path / "long", direct=direct) as first:
@@ -543,12 +544,12 @@ def test_files_share_one_reused_buffer_and_keep_nothing_of_each_other(tmp_path, 
     assert (tmp_path / "beside").read_bytes() == short * 3
     assert second.digest == ck.file_digest(tmp_path / "short", direct=direct)
     assert ck.file_digest(tmp_path / "long", direct=direct) == first.digest
-    assert first.buffer in cw._BUFFERS and third.buffer in cw._BUFFERS
+    assert first.buffer in digests._BUFFERS and third.buffer in digests._BUFFERS
     writers = [cw.HashedWriter(tmp_path / f"many{i}", direct=direct)
-               for i in range(cw.KEPT_BUFFERS + 2)]
+               for i in range(digests.KEPT_BUFFERS + 2)]
     for w in writers:
         w.__exit__(None)
-    assert len(cw._BUFFERS) == cw.KEPT_BUFFERS         # the rest were unmapped
+    assert len(digests._BUFFERS) == digests.KEPT_BUFFERS         # the rest were unmapped
     assert sum(w.buffer.closed for w in writers) == 2
 
 
@@ -556,7 +557,7 @@ def _addresses_written(monkeypatch) -> list[int]:
     """Record the memory address of every buffer `checkpoint_write` hands to os.write."""
     import numpy as np
 
-    from comlrl import checkpoint_write as cw
+    from workers import checkpoint_write as cw
 
     seen, real_write = [], os.write
 
@@ -575,7 +576,8 @@ def test_block_aligned_bytes_go_to_disk_from_their_own_memory(tmp_path, monkeypa
     bytes given and the digest is theirs."""
     import mmap
 
-    from comlrl.checkpoint_write import ALIGN, BUFFER_BYTES, HashedWriter
+    from comlrl.digests import ALIGN
+    from workers.checkpoint_write import BUFFER_BYTES, HashedWriter
 
     if not _direct_io_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
@@ -613,7 +615,7 @@ def test_torch_save_hashed_writes_large_aligned_tensors_from_their_own_memory(tm
     import torch
     from torch.utils.serialization import config
 
-    from comlrl.checkpoint_write import torch_save_hashed
+    from workers.checkpoint_write import torch_save_hashed
 
     if not _direct_io_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
@@ -638,7 +640,7 @@ def test_a_hashed_write_goes_on_without_o_direct_when_the_first_write_refuses_it
     the writer drops the flag and writes the same bytes the ordinary way."""
     import errno
 
-    from comlrl import checkpoint_write as cw
+    from workers import checkpoint_write as cw
 
     real_write, calls = os.write, []
 
@@ -663,7 +665,7 @@ def test_a_direct_read_goes_on_without_o_direct_when_the_first_read_refuses_it(t
     import errno
     import fcntl
 
-    from comlrl import checkpoint_write as cw
+    from workers import checkpoint_write as cw
 
     data = os.urandom(cw.BUFFER_BYTES + 10)
     (tmp_path / "f").write_bytes(data)
@@ -685,7 +687,7 @@ def test_torch_save_hashed_writes_what_torch_load_reads(tmp_path):
     """The optimizer file goes through the writer: it is an ordinary torch file."""
     import torch
 
-    from comlrl.checkpoint_write import torch_save_hashed
+    from workers.checkpoint_write import torch_save_hashed
 
     state = {"state": {i: {"exp_avg": torch.randn(1000 + i)} for i in range(3)}, "lr": 0.1}
     digest = torch_save_hashed(state, tmp_path / "optimizer.pt")
@@ -703,7 +705,7 @@ def test_torch_save_hashed_skips_the_zip_crc32_and_leaves_torch_as_it_was(tmp_pa
 
     import torch
 
-    from comlrl.checkpoint_write import torch_save_hashed
+    from workers.checkpoint_write import torch_save_hashed
 
     state = {"m": torch.randn(10_000)}
     torch_save_hashed(state, tmp_path / "ours.pt")
@@ -731,7 +733,7 @@ def test_save_pretrained_through_the_hashed_writer_writes_what_safetensors_reads
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, modeling_utils
 
-    from comlrl.checkpoint_write import safetensors_hashed, safetensors_save_hashed
+    from workers.checkpoint_write import safetensors_hashed, safetensors_save_hashed
     from comlrl.tiny_model import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
@@ -1082,7 +1084,7 @@ def test_a_weight_left_unloaded_is_refused_unless_tied():
     is tied to a loaded one (lm_head sharing the embedding, stored once by save_pretrained)."""
     import torch
 
-    from comlrl.engines import check_loaded
+    from workers.engines import check_loaded
 
     class Tied(torch.nn.Module):
         def __init__(self):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from comlrl import magrpo
+from comlrl import rewards
 from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
 from comlrl.rollout import StepRecord, run_episode_batch
 from tests.test_rollout_tree import FakeSession, FakeTokenizer
@@ -187,10 +187,10 @@ def test_reward_processors_match_comlrl():
     assert RewardProcessors.shift(1.5)(1) == 2.5
     assert RewardProcessors.scale()(4.0) == 4.0 and RewardProcessors.shift()(4.0) == 4.0
     assert RewardProcessors().scale(-1)(2) == -2
-    out = magrpo.call_reward(lambda a, b: [1.0, 2.0], [["x", "y"], ["u", "v"]],
-                             prompts=["p"] * 2, batch_items=[{}] * 2,
-                             style={"prompts": False, "batch_items": False},
-                             reward_processor=RewardProcessors.shift(0.5))
+    out = rewards.call_reward(lambda a, b: [1.0, 2.0], [["x", "y"], ["u", "v"]],
+                              prompts=["p"] * 2, batch_items=[{}] * 2,
+                              style={"prompts": False, "batch_items": False},
+                              reward_processor=RewardProcessors.shift(0.5))
     assert out == [1.5, 2.5]
 
 
@@ -280,20 +280,20 @@ def test_each_reward_form_gets_comlrls_arguments(name, n_agents, src, comlrl_cal
     action: the same call exactly. Three joint actions (one batched call): the same shapes,
     each one-element list repeated per joint action."""
     reward = _recorder(src)
-    style = magrpo.reward_call_style(reward, n_agents)
+    style = rewards.reward_call_style(reward, n_agents)
     lists = [["A"], ["B"]][:n_agents]
     SEEN.clear()
-    assert magrpo.call_reward(reward, lists, prompts=["P"], batch_items=[ROW],
-                              style=style) == [1.0]
+    assert rewards.call_reward(reward, lists, prompts=["P"], batch_items=[ROW],
+                               style=style) == [1.0]
     assert len(SEEN) == 1
     args, kwargs = SEEN[0]
     assert (list(args), kwargs) == (list(comlrl_call[0]), comlrl_call[1])
 
     batched = _recorder(src.replace("return [1.0]", "return [1.0, 2.0, 3.0]"))
     SEEN.clear()
-    out = magrpo.call_reward(batched, [["A"] * 3, ["B"] * 3][:n_agents], prompts=["P"] * 3,
-                             batch_items=[ROW] * 3,
-                             style=magrpo.reward_call_style(batched, n_agents))
+    out = rewards.call_reward(batched, [["A"] * 3, ["B"] * 3][:n_agents], prompts=["P"] * 3,
+                              batch_items=[ROW] * 3,
+                              style=rewards.reward_call_style(batched, n_agents))
     assert out == [1.0, 2.0, 3.0]
     args, kwargs = SEEN[0]
     assert list(args) == _expand(list(comlrl_call[0]), 3)
@@ -326,11 +326,11 @@ def test_reward_without_signature_is_called_like_comlrl(accepts, expected):
     anything -> called (['A'], ['B'], batch_items=[ROW]); taking (c1, c2) only -> (['A'],
     ['B']); taking one argument -> ([['A'], ['B']],). The form found first is kept."""
     reward = _NoSignature(accepts)
-    style = magrpo.reward_call_style(reward, 2)
+    style = rewards.reward_call_style(reward, 2)
     assert style["positional"] == "probe"
     for _ in range(2):
-        assert magrpo.call_reward(reward, [["A"], ["B"]], prompts=["P"], batch_items=[ROW],
-                                  style=style) == [1.0]
+        assert rewards.call_reward(reward, [["A"], ["B"]], prompts=["P"], batch_items=[ROW],
+                                   style=style) == [1.0]
     assert reward.calls == [expected, expected]
     assert style.get("positional") != "probe"
 
@@ -345,18 +345,18 @@ def test_reward_comlrl_cannot_call_is_refused_at_construction(n_agents, src):
     argument: 'c2'", "r() missing 1 required keyword-only argument: 'extra'"); here the
     signature is refused when the trainer is built."""
     with pytest.raises(ValueError, match="binds none of them"):
-        magrpo.reward_call_style(_recorder(src), n_agents)
+        rewards.reward_call_style(_recorder(src), n_agents)
 
 
 def test_a_bare_number_is_the_reward_of_a_single_joint_action():
     """comlrl coerces a non-list result to [float(result)] (one joint action per call); a
     batched call over several joint actions still needs a list."""
-    style = magrpo.reward_call_style(lambda a, b: 0.25, 2)
-    assert magrpo.call_reward(lambda a, b: 0.25, [["x"], ["y"]], prompts=["p"],
-                              batch_items=[{}], style=style) == [0.25]
+    style = rewards.reward_call_style(lambda a, b: 0.25, 2)
+    assert rewards.call_reward(lambda a, b: 0.25, [["x"], ["y"]], prompts=["p"],
+                               batch_items=[{}], style=style) == [0.25]
     with pytest.raises(ValueError, match="must return a list of 2 floats"):
-        magrpo.call_reward(lambda a, b: 0.25, [["x", "z"], ["y", "w"]], prompts=["p"] * 2,
-                           batch_items=[{}] * 2, style=style)
+        rewards.call_reward(lambda a, b: 0.25, [["x", "z"], ["y", "w"]], prompts=["p"] * 2,
+                            batch_items=[{}] * 2, style=style)
 
 
 # ---------------------------------------------------------------- the rollout's reward call
@@ -381,7 +381,7 @@ def test_rollout_passes_prompts_and_rows_aligned_with_the_joint_actions(joint_mo
         args=MAGRPOConfig(num_generations=3, num_turns=1, joint_mode=joint_mode),
         num_agents=2, tokenizers=[tok, tok], env_step=0,
         formatters=[lambda r, external_prompts=None: "F:" + r["prompt"]] * 2,
-        reward_func=reward, reward_style=magrpo.reward_call_style(reward, 2),
+        reward_func=reward, reward_style=rewards.reward_call_style(reward, 2),
         reward_processor=None, external_transition=None, train_rows=[row])
     run_episode_batch(trainer, FakeSession(), 0, [0], StepRecord())
     assert len(calls) == 1
@@ -405,7 +405,7 @@ def test_prompts_first_reward_trains_through_the_rollout():
         args=MAGRPOConfig(num_generations=2, num_turns=1), num_agents=2,
         tokenizers=[tok, tok], env_step=0,
         formatters=[lambda r, external_prompts=None: "F:" + r["prompt"]] * 2,
-        reward_func=reward, reward_style=magrpo.reward_call_style(reward, 2),
+        reward_func=reward, reward_style=rewards.reward_call_style(reward, 2),
         reward_processor=None, external_transition=None, train_rows=[{"prompt": "hello"}])
     (episode,) = run_episode_batch(trainer, FakeSession(), 0, [0], StepRecord())
     assert seen == [(["F:hello", "F:hello"], ["a", "aa"], ["b", "bb"])]

@@ -81,7 +81,7 @@ def test_redirect_falls_back_when_the_folder_cannot_be_written(tmp_path):
 def test_logging_to_redirects_before_the_class_init(tmp_path):
     log = tmp_path / "a.log"
     proc = _run(f"""
-        from workers.launch import logging_to
+        from workers.ray_calls import logging_to
 
         class Actor:
             '''doc'''
@@ -99,7 +99,7 @@ def test_logging_to_redirects_before_the_class_init(tmp_path):
 
 
 def test_actor_logs_paths_and_placements(tmp_path, monkeypatch):
-    from workers.launch import Placement
+    from workers.driver.placement import Placement
 
     monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
     logs = console.ActorLogs.for_run(True, checkpoint_dir=str(tmp_path / "ckpt"))
@@ -150,7 +150,7 @@ def test_wandb_offline_default(monkeypatch, capsys):
 def test_packed_weights_round_trip_writable_without_warnings():
     import torch
 
-    from workers.transport import pack_weights, unpack_weights
+    from workers.transports.buckets import pack_weights, unpack_weights
 
     state = {"w": torch.randn(3, 4), "b": torch.randn(4).to(torch.bfloat16),
              "t": torch.randn(4, 3).t(), "s": torch.tensor(2.5)}
@@ -169,7 +169,7 @@ def test_packed_weights_round_trip_writable_without_warnings():
 
 
 def test_reload_check_drops_rotary_and_reports_other_layers():
-    from comlrl.engines import _RELOAD_LOGGER, _ReloadCheck
+    from workers.engines import _RELOAD_LOGGER, _ReloadCheck
 
     logger = logging.getLogger(_RELOAD_LOGGER)
     check = _ReloadCheck()
@@ -201,10 +201,12 @@ def test_actors_log_to_files_and_weights_push_cleanly(ray_session, tiny_model, t
     import ray
 
     from tests.learner_probe import sequence_logprobs
-    from workers.launch import Placement, kill_actors, start_actor
-    from workers.learner import Learner
-    from workers.rollout import RolloutWorker
-    from workers.transport import ObjectStoreTransport, with_learner_endpoint
+    from workers.driver.placement import Placement
+    from workers.ray_calls import kill_actors, start_actor
+    from workers.roles.learner import Learner
+    from workers.roles.rollout_worker import RolloutWorker
+    from workers.transports.object_store import ObjectStoreTransport
+    from workers.transports.endpoints import with_learner_endpoint
 
     logs = console.ActorLogs(tmp_path / "logs")
     sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None,

@@ -21,7 +21,7 @@ def test_demo_exits_zero_with_a_short_console_a_summary_and_actor_logs(demo_run)
     shown = [line for line in demo_run.output.split("\n") if line.strip()]
     assert len(shown) < 40, "\n".join(shown)
     out = demo_run.output
-    # The resume's train() takes the actors the first one parked (workers/actors.py).
+    # The resume's train() takes the actors the first one parked (workers/driver/actors.py).
     # On the local Ray it starts, on CPU, the trainer colocates each agent's learner and
     # engine by default (`colocate="auto"`): one host actor per agent.
     assert out.count("comlrl-split: actors started: 2 learner+engine hosts, "

@@ -11,9 +11,10 @@ pytestmark = pytest.mark.e2e
 
 
 def _start(tiny_model, engine, engine_kwargs=None):
-    from workers.launch import Placement, start_actor
-    from workers.learner import Learner
-    from workers.rollout import RolloutWorker
+    from workers.driver.placement import Placement
+    from workers.ray_calls import start_actor
+    from workers.roles.learner import Learner
+    from workers.roles.rollout_worker import RolloutWorker
 
     sampling = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=None,
                     stop_token_ids=(0,))
@@ -28,7 +29,7 @@ def _start(tiny_model, engine, engine_kwargs=None):
 def test_engine_logprobs_follow_learner_after_update(ray_session, tiny_model, engine):
     import ray
 
-    from workers.launch import kill_actors
+    from workers.ray_calls import kill_actors
 
     worker, learner = _start(tiny_model, engine)
     try:
@@ -73,7 +74,7 @@ def test_engine_logprobs_follow_learner_after_update(ray_session, tiny_model, en
 def test_same_seed_same_samples_across_calls_and_batches(ray_session, tiny_model):
     import ray
 
-    from workers.launch import kill_actors
+    from workers.ray_calls import kill_actors
 
     worker, learner = _start(tiny_model, "vllm")
     try:
@@ -102,7 +103,7 @@ def test_a_call_of_more_prompt_tokens_than_one_engine_step_samples_as_requests_a
     engine took 256 MiB before. The call fits at once: vLLM runs all 48 together."""
     import ray
 
-    from workers.launch import kill_actors
+    from workers.ray_calls import kill_actors
 
     worker, learner = _start(tiny_model, "vllm", dict(kv_cache_sequences=48,
                                                       kv_cache_tokens=100 + 12, threads=1))
@@ -147,9 +148,10 @@ def test_a_bfloat16_engine_samples_near_the_float32_learner_and_follows_its_upda
     itself moves them by far more (1.39)."""
     import ray
 
-    from workers.launch import Placement, kill_actors, start_actor
-    from workers.learner import Learner
-    from workers.rollout import RolloutWorker
+    from workers.driver.placement import Placement
+    from workers.ray_calls import kill_actors, start_actor
+    from workers.roles.learner import Learner
+    from workers.roles.rollout_worker import RolloutWorker
 
     sampling = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=None,
                     stop_token_ids=(0,))

@@ -24,7 +24,7 @@ def test_adamw_stepped_in_backward_equals_one_step_after_backward(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from comlrl.magrpo import compute_advantages, pad_batch, policy_loss, token_logprobs
-    from workers.learner import Learner
+    from workers.roles.learner import Learner
 
     learner = Learner(0, tiny_model, learning_rate=1e-2, train_batch_size=1, device="cpu")
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from comlrl import magrpo
+from comlrl import magrpo, rewards
 
 
 def test_math_module_imports_neither_vllm_nor_ray():
@@ -68,18 +68,18 @@ def test_reward_call_passes_one_list_per_agent_and_keywords():
         seen.update(c1=c1, c2=c2, prompts=prompts, batch_items=batch_items)
         return [1.0] * len(c1)
 
-    style = magrpo.reward_call_style(reward, 2)
-    out = magrpo.call_reward(reward, [["a", "b"], ["c", "d"]], prompts=["p"],
-                             batch_items=[{"prompt": "p"}], style=style,
-                             reward_processor=lambda r: r * 2)
+    style = rewards.reward_call_style(reward, 2)
+    out = rewards.call_reward(reward, [["a", "b"], ["c", "d"]], prompts=["p"],
+                              batch_items=[{"prompt": "p"}], style=style,
+                              reward_processor=lambda r: r * 2)
     assert out == [2.0, 2.0]
     assert seen == {"c1": ["a", "b"], "c2": ["c", "d"], "prompts": ["p"],
                     "batch_items": [{"prompt": "p"}]}
-    plain = magrpo.reward_call_style(_reward, 2)
+    plain = rewards.reward_call_style(_reward, 2)
     assert plain == {"prompts": False, "batch_items": False}
-    assert magrpo.call_reward(_reward, [["ab"], ["c"]], prompts=["p"], batch_items=[{}],
-                              style=plain) == [3.0]
-    kw = magrpo.reward_call_style(lambda *cs, **kw: [0.0], 2)
+    assert rewards.call_reward(_reward, [["ab"], ["c"]], prompts=["p"], batch_items=[{}],
+                               style=plain) == [3.0]
+    kw = rewards.reward_call_style(lambda *cs, **kw: [0.0], 2)
     assert kw == {"prompts": True, "batch_items": True}
 
 
@@ -91,18 +91,18 @@ def test_reward_call_passes_one_list_per_agent_and_keywords():
     (lambda c1, c2: 1 / 0, "reward_func raised ZeroDivisionError"),
 ])
 def test_bad_reward_results_raise_with_the_completions(func, match):
-    style = magrpo.reward_call_style(func, 2)
+    style = rewards.reward_call_style(func, 2)
     with pytest.raises(ValueError, match=match) as info:
-        magrpo.call_reward(func, [["first-a", "first-b"], ["second-a", "second-b"]],
-                           prompts=["p"], batch_items=[{}], style=style)
+        rewards.call_reward(func, [["first-a", "first-b"], ["second-a", "second-b"]],
+                            prompts=["p"], batch_items=[{}], style=style)
     assert "'first-a'" in str(info.value) and "'second-b'" in str(info.value)
 
 
 def test_reward_signature_that_fits_nothing_is_refused():
     with pytest.raises(ValueError, match="one list of completions per agent"):
-        magrpo.reward_call_style(lambda: [0.0], 2)   # r(all_lists) is a comlrl form
+        rewards.reward_call_style(lambda: [0.0], 2)   # r(all_lists) is a comlrl form
     with pytest.raises(ValueError, match="must be a callable"):
-        magrpo.reward_call_style("not a function", 2)
+        rewards.reward_call_style("not a function", 2)
 
 
 def test_derived_seeds_depend_on_counters_only():

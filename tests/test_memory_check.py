@@ -1,5 +1,5 @@
 """The memory estimate, the refusal of a run that will not fit, and Ray's OOM report in one
-sentence (issue 34). Pure logic of workers/memory.py, no Ray."""
+sentence (issue 34). Pure logic of workers/driver/memory.py, no Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.memory import GB, advice, check_fits, estimate, oom_sentence
+from workers.driver.memory import GB, advice, check_fits, estimate
+from workers.ray_calls import oom_sentence
 
 REPORT = (Path(__file__).parent / "data" / "ray_oom_report.txt").read_text()
 """What Ray 2.60 raised (OutOfMemoryError) when its monitor killed the 358M seed run here."""

@@ -89,8 +89,8 @@ def test_final_weights_come_back_without_a_second_copy_in_a_start_then_resume(
     import torch
     from safetensors.torch import load_file
 
-    import workers.learner as learner_module
-    import workers.session as session_module
+    import workers.driver.hand_back as learner_module
+    import workers.driver.session as session_module
 
     monkeypatch.setattr(learner_module, "PULL_BUCKET_BYTES", BUCKET)
     original_pull, original_session_pull = learner_module.pull_weights, \
@@ -116,7 +116,7 @@ def test_final_weights_come_back_without_a_second_copy_in_a_start_then_resume(
             original_session_pull(self)
         session_growth.append(machine.peak)
 
-    monkeypatch.setattr(learner_module, "pull_weights", measured)
+    monkeypatch.setattr(session_module, "pull_weights", measured)   # bound there by name
     monkeypatch.setattr(session_module.Session, "pull_weights", session_pull)
     ckpt = tmp_path / "ckpt"
     first = make_trainer(ten_m_model, num_train_epochs=1, colocate=True)
@@ -162,7 +162,7 @@ def test_a_local_run_that_will_not_fit_is_refused_before_any_actor_starts(tiny_m
     from tests.conftest import ROOT, TEST_ENV
 
     script = (
-        "import workers.memory as memory\n"
+        "import workers.driver.memory as memory\n"
         "memory.available_bytes = lambda: 10**9\n"
         "from tests.test_train_e2e import make_trainer\n"
         f"make_trainer({tiny_model!r}).train()\n")

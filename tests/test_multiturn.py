@@ -235,7 +235,7 @@ def test_multiturn_update_cadence_matches_comlrl(ray_session, tiny_model, monkey
     its root and first child, samples prompt 2, steps on prompt 1's second child and prompt
     2's root, then on prompt 2's children (5 steps per agent, prompt 2 drawn after 2)."""
     import comlrl.trainers.reinforce.magrpo as trainer_module
-    from workers.session import Session
+    from workers.driver.session import Session
 
     events = []
     sample = trainer_module.run_episode_batch

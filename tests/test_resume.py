@@ -375,7 +375,7 @@ def test_checkpoint_agent_folder_loads_with_from_pretrained(straight, tiny_model
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.learner import Learner
+    from workers.roles.learner import Learner
 
     ckpt = straight / "ckpt" / "checkpoint-4"
     model = AutoModelForCausalLM.from_pretrained(ckpt / "agent_0")
@@ -395,7 +395,7 @@ def test_checkpoint_agent_folder_loads_with_from_pretrained(straight, tiny_model
 def test_a_fresh_run_on_warm_actors_computes_what_new_actors_do(straight, tiny_model,
                                                                   tmp_path):
     """Two fresh train() calls of one process, checkpointing beside each other: the second
-    takes the actors the first parked (workers/actors.py), its learners start over from the
+    takes the actors the first parked (workers/driver/actors.py), its learners start over from the
     initial model (`Learner.reinit`) and it logs, step for step, exactly what the straight
     run logged in new actors of its own process; the weights of both checkpoints match too."""
     d = tmp_path

@@ -17,8 +17,9 @@ import pytest
 
 from comlrl.config import MAGRPOConfig
 from tests.conftest import ROOT, wandb_history
-from workers.launch import Placement, find_infeasible, plan_placement
-from workers.transport import pack_bucket, plan_layout, resolve_transport, unpack_bucket
+from workers.driver.placement import Placement, find_infeasible, plan_placement
+from workers.transports.buckets import pack_bucket, plan_layout, unpack_bucket
+from workers.transports.choice import resolve_transport
 
 # Values that must not depend on how many workers drew the samples, or on a restart.
 DETERMINISTIC = ("turn_1/reward_mean", "turn_1/expected_return", "agent_0/loss",
@@ -59,7 +60,7 @@ def test_default_plan_packs_and_pins_custom_resources():
 
 
 def test_object_store_fits_the_weights_within_a_quarter_of_memory():
-    from workers.launch import object_store_bytes
+    from workers.driver.cluster import object_store_bytes
 
     mib = 1024 * 1024
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -118,7 +119,7 @@ def test_colocate_puts_each_agents_learner_and_first_engine_in_one_bundle():
     placed first, then the agents' other workers; evaluate() (no learners) stays split. A
     GPU weight transport cannot reach an engine in the learner's own process, so only 'auto'
     and 'object_store' are accepted, and the field is a plain bool."""
-    from workers.actors import actor_needs
+    from workers.driver.actors import actor_needs
 
     cfg = MAGRPOConfig(colocate=True, rollout_workers_per_agent=2, rollout_num_cpus=0.25,
                        learner_num_cpus=1, learner_num_gpus=0.5,
@@ -145,8 +146,8 @@ def test_colocate_auto_means_a_local_cpu_run(monkeypatch):
     GPU transport keep the split layout; True and False are kept as given."""
     import ray
 
-    from workers import launch
-    from workers.launch import colocate_here
+    from workers.driver import cluster as launch
+    from workers.driver.placement import colocate_here
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     for name in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
@@ -235,11 +236,12 @@ def test_broadcast_transport_over_gloo_matches_the_learner(ray_session, tiny_mod
     worker, and again after the HF one is replaced."""
     import ray
 
-    from workers.launch import kill_actors, start_actor
-    from workers.learner import Learner
-    from workers.rollout import RolloutWorker
+    from workers.ray_calls import kill_actors, start_actor
+    from workers.roles.learner import Learner
+    from workers.roles.rollout_worker import RolloutWorker
     from tests.learner_probe import sequence_logprobs
-    from workers.transport import NcclBroadcastTransport, with_learner_endpoint
+    from workers.transports.broadcast import NcclBroadcastTransport
+    from workers.transports.endpoints import with_learner_endpoint
 
     sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None,
                     stop_token_ids=(0,))
@@ -292,9 +294,9 @@ def one_worker_run(ray_session, tiny_model, tmp_path_factory, monkeypatch_module
 
 
 def _wrap_each_session(monkeypatch, wrap):
-    """Call `wrap(session)` on every workers.session.Session once it has started, so a test
+    """Call `wrap(session)` on every workers.driver.session.Session once it has started, so a test
     can put fault injection around its verbs."""
-    from workers.session import Session
+    from workers.driver.session import Session
 
     enter = Session.__enter__
 

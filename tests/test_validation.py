@@ -125,7 +125,7 @@ def test_unreachable_ray_address_fails_fast_with_the_fix():
     import sys
     import time
 
-    code = ("from workers.launch import ensure_ray\n"
+    code = ("from workers.driver.cluster import ensure_ray\n"
             "try:\n    ensure_ray('127.0.0.1:1')\n"
             "except ConnectionError as e:\n    print('ERR', e)\n")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -139,7 +139,7 @@ def test_unreachable_ray_address_fails_fast_with_the_fix():
 
 _EXIT_SCRIPT = """
 import atexit, os, ray
-from workers.launch import ensure_ray
+from workers.driver.cluster import ensure_ray
 
 def children():
     kids = {}
@@ -168,7 +168,7 @@ print("KIDS", sorted(kids), "MONITOR", monitor, flush=True)
 
 def test_a_local_ray_is_stopped_at_exit_by_our_hook_which_spares_a_ray_it_did_not_start(
         ray_session):
-    """`workers.launch.stop_local_ray`, registered when the trainer starts a local Ray: at
+    """`workers.driver.cluster.stop_local_ray`, registered when the trainer starts a local Ray: at
     exit it stops that Ray before Ray's own hook would (which sleeps 0.5 s, then waits 1 s on
     the autoscaler monitor; bench_seed.py's whole-example table, exit column), killing the
     monitor first, and leaves no Ray process behind. It never stops a Ray this process did
@@ -177,7 +177,7 @@ def test_a_local_ray_is_stopped_at_exit_by_our_hook_which_spares_a_ray_it_did_no
     import subprocess
     import sys
 
-    from workers.launch import stop_local_ray
+    from workers.driver.cluster import stop_local_ray
 
     stop_local_ray()
     assert ray_session.is_initialized() and ray_session.get(ray_session.put(7)) == 7

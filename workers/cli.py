@@ -26,6 +26,15 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from comlrl.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    recover_interrupted_commits,
+    verify_checksums,
+)
+from comlrl.tiny_model import build_tiny_model
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from comlrl.utils import read_checkpoint_metadata
 from workers import console
 
 # Keys of the `wandb:` section: wandb.init's arguments that comlrl's wandb_config passes on,
@@ -133,8 +142,6 @@ def _unknown(key: str, known: tuple[str, ...] | list[str], where: str) -> Config
 
 def build_job_config(raw: dict) -> JobConfig:
     """Validate the merged YAML + overrides into a JobConfig (MAGRPOConfig checks `magrpo`)."""
-    from comlrl.config import MAGRPOConfig
-
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a YAML mapping of keys (got {type(raw).__name__}).")
     for key in raw:
@@ -262,8 +269,6 @@ def _import_file(path: Path, spec: str, what: str):
 
 def tiny_kwargs(model: Any) -> dict | None:
     """build_tiny_model's keyword arguments when `model` asks for a tiny model, else None."""
-    from comlrl.tiny_model import build_tiny_model
-
     if model == "tiny":
         return {}
     if isinstance(model, dict):
@@ -288,7 +293,6 @@ def resolve_model(job: JobConfig) -> str:
     kwargs = tiny_kwargs(job.model)
     if kwargs is None:
         return job.model
-    from comlrl.tiny_model import build_tiny_model
 
     # Rebuilt on every start: same arguments, same bytes, so a resume's fingerprint matches.
     return str(build_tiny_model(Path(job.output_dir) / "tiny-model", **{"seed": 0, **kwargs}))
@@ -331,10 +335,6 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
 
     A damaged newest one (a changed or missing file) is passed over, saying so on the console,
     so an automatically resubmitted job resumes from the one before, not failing forever."""
-    from comlrl.checkpoint import (
-        CheckpointError, list_checkpoints, recover_interrupted_commits, verify_checksums,
-    )
-
     if not Path(checkpoint_dir).is_dir():
         return None
     recover_interrupted_commits(checkpoint_dir)
@@ -366,8 +366,6 @@ def wandb_config_for(job: JobConfig, checkpoint: Path | None) -> dict | None:
     if "dir" not in config and not os.environ.get("WANDB_DIR"):
         config["dir"] = job.output_dir
     if checkpoint is not None:
-        from comlrl.utils import read_checkpoint_metadata
-
         identity = read_checkpoint_metadata(checkpoint).get("wandb")
         if identity:
             config = {**config, **identity, "resume": "allow"}
@@ -379,8 +377,6 @@ def wandb_config_for(job: JobConfig, checkpoint: Path | None) -> dict | None:
 
 def run(job: JobConfig, resume: str | None = None):
     """Build the trainer from `job` and train it; returns the trainer."""
-    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
-
     Path(job.output_dir).mkdir(parents=True, exist_ok=True)
     checkpoint = resolve_resume(resume, job.checkpoint_dir)
     if resume == "latest" and checkpoint is None:
@@ -389,9 +385,11 @@ def run(job: JobConfig, resume: str | None = None):
     reward = load_callable(job.reward_func, "reward_func")
     processor, transition = (load_callable(getattr(job, key), key) if getattr(job, key) else None
                              for key in ("reward_processor", "external_transition"))
-    formatters = load_callable(job.formatters, "formatters") if isinstance(job.formatters, str) \
-        else [load_callable(f, f"formatters[{i}]") for i, f in enumerate(job.formatters)] \
-        if isinstance(job.formatters, list) else job.formatters
+    formatters = job.formatters                 # a "module:name" spec, a list of them, or None
+    if isinstance(formatters, str):
+        formatters = load_callable(formatters, "formatters")
+    elif isinstance(formatters, list):
+        formatters = [load_callable(f, f"formatters[{i}]") for i, f in enumerate(formatters)]
     args = MAGRPOConfig(**{**job.magrpo, "num_agents": job.num_agents})
     with console.quiet_progress_bars(console.full_output(args.verbose)):  # no weight bars
         model = resolve_model(job)

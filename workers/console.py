@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -58,8 +60,6 @@ def redirect_output(path: str | os.PathLike) -> str:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError:
-        import tempfile
-
         target = Path(tempfile.gettempdir()) / "comlrl-split-logs" / target.name
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -133,10 +133,8 @@ class ActorLogs:
 
     def place(self, placement: Any, role: str, agent: int | None = None,
               index: int | None = None) -> Any:
-        """`placement` (a workers.launch.Placement) logging to this actor's file; a restarted
-        actor started from it appends to the same file."""
-        from dataclasses import replace
-
+        """`placement` (a workers.driver.placement.Placement) logging to this actor's file; a
+        restarted actor started from it appends to the same file."""
         return replace(placement, log_file=self.path(role, agent, index))
 
 
@@ -148,7 +146,6 @@ def ray_log_folder() -> Path:
         node = ray._private.worker.global_worker.node
         return Path(node.get_logs_dir_path())
     except Exception:  # noqa: BLE001 - Ray not started, or another Ray version
-        import tempfile
 
         return Path(tempfile.gettempdir()) / "comlrl-split-logs"
 

@@ -4,6 +4,8 @@ object store for actors on other nodes, written out again where they load it."""
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -23,8 +25,6 @@ def model_folder(source: str | dict):
     if isinstance(source, str):
         yield source
         return
-    import shutil
-    import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix=f"comlrl-{source['name']}-"))
     try:

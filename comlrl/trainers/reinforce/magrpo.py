@@ -1,5 +1,5 @@
 """MAGRPOTrainer: the comlrl-facing trainer and its loop. It owns the only W&B run; Ray
-actors do the work, started and stopped by `workers.session.Session`.
+actors do the work, started and stopped by `workers.driver.session.Session`.
 
     rollout (engines) -> reward -> advantages -> update (learners) -> push weights -> log
     -> checkpoint (checkpointer)
@@ -13,21 +13,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from comlrl import magrpo
+from comlrl import rewards
 from comlrl.checkpoint import read_checkpoint_metadata, recover_interrupted_commits
 from comlrl.checkpoint_dir import check_checkpoint_dir
+from comlrl.config import MAGRPOConfig, RESUMABLE_FIELDS
+from comlrl.evaluation import run_evaluation
 from comlrl.fingerprints import (
-    fingerprint_callable, fingerprint_model_folder, fingerprint_rows, fingerprint_tokenizer,
+    fingerprint_callable,
+    fingerprint_model_folder,
+    fingerprint_rows,
+    fingerprint_tokenizer,
 )
-from comlrl.config import RESUMABLE_FIELDS, MAGRPOConfig
-from comlrl.inputs import (
-    build_formatters, dataset_rows, resolve_agent_sources, resolve_tokenizers,
-)
+from comlrl.inputs import build_formatters, dataset_rows, resolve_agent_sources, resolve_tokenizers
 from comlrl.loading import load_once
-from comlrl.rollout import Node, StepRecord, run_episode_batch
+from comlrl.rollout import Node, run_episode_batch, StepRecord
 from comlrl.trainers.reinforce import manual_save
 from comlrl.trainers.reinforce.compat import (
-    check_generation_kwargs, engine_for_head_dim, reference_copies,
+    check_generation_kwargs,
+    engine_for_head_dim,
+    reference_copies,
 )
 
 
@@ -74,7 +78,7 @@ class MAGRPOTrainer:
         self.model_config = dict(model_config or {})
         self.formatters = build_formatters(formatters, self.num_agents)
         self.reward_func = reward_func
-        self.reward_style = magrpo.reward_call_style(reward_func, self.num_agents)
+        self.reward_style = rewards.reward_call_style(reward_func, self.num_agents)
         self.reward_processor = reward_processor
         self.tokenizers = resolve_tokenizers(tokenizer, sources, self.model_config)
         self.tokenizer = self.tokenizers[0]
@@ -93,7 +97,7 @@ class MAGRPOTrainer:
         self.env_step = 0
         self._final_state: Any = None   # what save_checkpoint saves (`manual_save`)
         self._reference_models: list | None = None
-        self._session = None  # the running workers.session.Session, during train()
+        self._session = None  # the running workers.driver.session.Session, during train()
         self.last_wandb_identity: dict | None = None  # the W&B run train() logged to
 
     # ------------------------------------------------------------------ public API
@@ -117,8 +121,7 @@ class MAGRPOTrainer:
                              "with a 'prompt' column); pass train_dataset= to MAGRPOTrainer.")
         check_generation_kwargs(self.args, kwargs)
         resume_meta = self._check_resume(checkpoint_dir, resume_from_checkpoint)
-        from workers.launch import ActorFailure
-        from workers.session import Session
+        from workers.runtime import ActorFailure, Session
 
         if self.args.reference_kl_enabled and self.agents is not None \
                 and not all(isinstance(s, str) for s in self.model_sources):
@@ -174,11 +177,11 @@ class MAGRPOTrainer:
         from tqdm.auto import tqdm
 
         # Closed also when a step raises: a bar left open prints again at interpreter exit.
-        with tqdm(total=(total_epochs - session.epoch) * len(rows), desc="MAGRPO",
+        with tqdm(total=(total_epochs - session.progress.epoch) * len(rows), desc="MAGRPO",
                   unit="prompt", disable=not args.verbose, dynamic_ncols=True) as bar:
             if self.env_step == 0 and self._eval_due(0):
                 session.log(self._evaluate_now(session), 0)
-            for epoch in range(session.epoch, total_epochs):
+            for epoch in range(session.progress.epoch, total_epochs):
                 buffer: list[Node] = []
                 start = 0
                 while start < len(rows):
@@ -215,9 +218,9 @@ class MAGRPOTrainer:
                     bar.set_postfix(env_step=self.env_step,
                                     reward=f"{sum(roots) / len(roots):.3f}",
                                     tok_s=f"{rollout.tokens / max(rollout.generation, 1e-9):.0f}")
-                session.epoch = epoch + 1
-                if checkpoint_dir and (session.epoch % interval == 0
-                                       or session.epoch == total_epochs):
+                session.progress.epoch = epoch + 1
+                if checkpoint_dir and (session.progress.epoch % interval == 0
+                                       or session.progress.epoch == total_epochs):
                     session.save_checkpoint()
         session.wait_checkpoint()
         session.pull_weights()
@@ -228,8 +231,6 @@ class MAGRPOTrainer:
             and self.args.eval_num_samples > 0
 
     def _evaluate_now(self, session: Any) -> dict[str, float]:
-        from comlrl.evaluation import run_evaluation
-
         return run_evaluation(self, session, self.args.eval_num_samples)
 
     def _eval_completions(self, episodes: list) -> list:
@@ -240,8 +241,7 @@ class MAGRPOTrainer:
 
     def evaluate(self, num_eval_samples: int | None = None) -> dict[str, float]:
         """Evaluate on `eval_dataset` and log under `eval/` at the current env_step."""
-        from comlrl.evaluation import run_evaluation
-        from workers.session import Session
+        from workers.runtime import Session
 
         if self._session is not None:
             metrics = run_evaluation(self, self._session, num_eval_samples)
@@ -302,7 +302,7 @@ class MAGRPOTrainer:
         def callable_print(func: Any, label: str) -> str | None:
             return fingerprint_callable(func, label, warn=warn)
 
-        # One thread per model: hashlib's sha256 releases the GIL (0.16 s per 306 MB here).
+        # One thread per model: hashlib's sha256 releases the GIL, so the models hash in parallel.
         with ThreadPoolExecutor(max(1, len(model_folders))) as pool:
             models = list(pool.map(fingerprint_model_folder, model_folders))
 

@@ -15,12 +15,28 @@ cluster), the AdamW state is gone and the save is refused, naming `checkpoint_di
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
 import time
 import weakref
 from pathlib import Path
 from typing import Any
+
+from comlrl.checkpoint import (
+    _fsync_dir,
+    _fsync_file,
+    CheckpointError,
+    file_digest,
+    FORMAT,
+    FORMAT_VERSION,
+    MARKER,
+    METADATA,
+    read_checkpoint_metadata,
+    verify_checksums,
+    write_owner_marker,
+)
 
 _PARKED: dict = {}
 """The trainer whose completed train() parked its actors last, and the learner handles it
@@ -38,9 +54,9 @@ def record_final_state(trainer: Any, session: Any) -> None:
     wandb = session.wandb
     trainer._final_state = {
         "checkpoint": str(last) if last is not None and last.name ==
-        f"checkpoint-{session.epoch}" and last.is_dir() else None,
+        f"checkpoint-{session.progress.epoch}" and last.is_dir() else None,
         "metadata": {
-            **session.progress(),
+            **session.progress.to_metadata(trainer.env_step),
             "last_logged_step": wandb.last_step if wandb is not None else -1,
             "wandb_rows": list(wandb.rows) if wandb is not None else [],
             "policy_versions": list(session.engine_versions),
@@ -85,8 +101,6 @@ def save_checkpoint(trainer: Any, output_dir: str | os.PathLike) -> str:
 
 
 def _is_checkpoint(folder: Path) -> bool:
-    from comlrl.checkpoint import CheckpointError, read_checkpoint_metadata
-
     try:
         read_checkpoint_metadata(folder)
     except (CheckpointError, OSError):
@@ -97,8 +111,6 @@ def _is_checkpoint(folder: Path) -> bool:
 def _publish(staging: Path, target: Path) -> None:
     """Rename the complete `staging` folder to `target`; an older checkpoint there is moved
     aside first and removed only once the new one has its name."""
-    from comlrl.checkpoint import _fsync_dir
-
     old = None
     if target.exists():
         old = target.parent / f".trash-{target.name}-{time.time_ns():x}"
@@ -117,8 +129,6 @@ def _publish(staging: Path, target: Path) -> None:
 def _copy_checkpoint(source: Path, staging: Path) -> None:
     """The checkpoint train() wrote, file for file (hard links where the disk allows: its
     files are never written in place), with its metadata and marker as they are."""
-    from comlrl.checkpoint import verify_checksums
-
     verify_checksums(source)
 
     def link_or_copy(src: str, dst: str) -> None:
@@ -134,11 +144,6 @@ def _commit(staging: Path, metadata: dict, digests: dict[str, str]) -> None:
     """metadata.json and the marker, written as the training checkpoints' are
     (`comlrl.checkpoint.commit_checkpoint` does it for a staging folder named for its target;
     this one is named uniquely, so its target is given by the rename in `_publish`)."""
-    import json
-
-    from comlrl.checkpoint import FORMAT, FORMAT_VERSION, MARKER, METADATA, _fsync_dir, \
-        _fsync_file, file_digest, write_owner_marker
-
     write_owner_marker(staging, metadata["run_uid"])
     files = {}
     for f in sorted(p for p in staging.rglob("*") if p.is_file()):
@@ -156,7 +161,7 @@ def _commit(staging: Path, metadata: dict, digests: dict[str, str]) -> None:
 
 
 def _write_from_parked_learners(trainer: Any, state: dict, staging: Path) -> None:
-    from workers.launch import WARM_ACTORS, ray_get
+    from workers.runtime import WARM_ACTORS, ray_get
 
     parked = WARM_ACTORS.get("actors")
     owner = _PARKED.get("trainer")
@@ -180,12 +185,9 @@ def _write_from_parked_learners(trainer: Any, state: dict, staging: Path) -> Non
 def _write_initial(trainer: Any, staging: Path) -> None:
     """The state a new run starts from: the agents' weights as given, a fresh AdamW, epoch 0.
     A resume from it trains as a run that starts from scratch."""
-    import random
-
     import torch
 
-    from workers.actors import save_models
-    from workers.learner import OPTIMIZER_FILE, RNG_FILE
+    from workers.runtime import OPTIMIZER_FILE, RNG_FILE, save_models
 
     staging.mkdir()
     folders, fingerprints = save_models(trainer, str(staging), False)

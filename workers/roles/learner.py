@@ -1,15 +1,21 @@
 """Learner: one agent's Hugging Face model and AdamW, updated from group advantages.
 
-A plain class (unit-testable without Ray); `workers.launch` wraps it in `ray.remote`. One
+A plain class (unit-testable without Ray); `workers.driver.cluster` wraps it in `ray.remote`. One
 learner per agent, so agents train in parallel on separate cores or GPUs.
 """
 
 from __future__ import annotations
 
-import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
+
+from comlrl.loading import load_causal_lm
+from comlrl.magrpo import compute_advantages, pad_batch, policy_loss, token_logprobs
+from workers.checkpoint_write import safetensors_hashed, torch_save_hashed
+from workers.engines import check_loaded, imports_without_gc
+from workers.model_source import model_folder
 
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng_state.pt"
@@ -19,17 +25,13 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_templ
 class Learner:
     ray_max_concurrency = 2
     """`saved` waits for a background checkpoint write while the next `update` runs; the
-    driver never sends two other calls at once (workers.launch.start_actor reads this)."""
+    driver never sends two other calls at once (workers.ray_calls.start_actor reads this)."""
 
     def __init__(self, agent_index: int, model_source: str | dict, *, learning_rate: float,
                  train_batch_size: int, loss_aggregation: str = "sequence",
                  advantage_mode: str = "mean", advantage_normalization: bool = True,
                  reference_kl_coef: float | None = None, device: str = "auto",
                  threads: int | None = None):
-        from comlrl.engines import imports_without_gc
-        from comlrl.loading import load_causal_lm
-        from workers.model_source import model_folder
-
         with imports_without_gc():
             import torch
             import transformers  # noqa: F401  (its long import, with the collector off)
@@ -57,9 +59,9 @@ class Learner:
             self.model.to(device).train()
             if device == "cpu":
                 # The weights are the file mapped copy-on-write: the first AdamW step would
-                # fault them in 4 KB at a time (76.6M: first update 7.5 -> 5.8 s for a 0.13 s
-                # copy), and fresh memory is block-aligned for the checkpoint writes (huge-page
-                # aligned in an actor, `THP_MEM_ALLOC_ENABLE`).
+                # fault them in 4 KB at a time (a copy is far cheaper, BENCHMARKS.md), and
+                # fresh memory is block-aligned for the checkpoint writes (huge-page aligned
+                # in an actor, `THP_MEM_ALLOC_ENABLE`).
                 into_fresh_memory(self.model, self.model.state_dict())
             if reference_kl_coef is not None:
                 self.reference = load_causal_lm(path, dtype=torch.float32)
@@ -82,7 +84,7 @@ class Learner:
     def reinit(self, agent_index: int, model_source: str | dict, **settings: Any) -> int:
         """Start over as a new learner built with these arguments would: weights and
         reference from `model_source`, a fresh optimizer, version 0 (a warm actor taken by a
-        later train(), workers/actors.py)."""
+        later train(), workers/driver/actors.py)."""
         Learner.__init__(self, agent_index, model_source, **settings)
         return self.version
 
@@ -97,8 +99,6 @@ class Learner:
         (like comlrl's shuffle, but reproducible) and each mini-batch is ONE padded forward.
         """
         import torch
-
-        from comlrl.magrpo import compute_advantages, pad_batch, policy_loss, token_logprobs
 
         self._wait_write()
         self.on_disk = None
@@ -160,8 +160,6 @@ class Learner:
         """
         import torch
 
-        from comlrl.magrpo import pad_batch, token_logprobs
-
         out = []
         with torch.no_grad():
             for start in range(0, len(groups), self.train_batch_size):
@@ -196,15 +194,13 @@ class Learner:
         background thread: a `from_pretrained` folder (weights, config, tokenizer) plus
         optimizer and RNG files. Generation goes on while it writes; `saved` waits for the
         write (the checkpointer's commit does, through Ray), and so does the next update."""
-        import threading
-
         import torch
 
         self.saved()                      # one write at a time
         # On the CPU the write reads the live tensors: only `update` and `load` change them,
         # and both first wait for it (`_wait_write`), which is normally long done since it
         # runs while the engines generate the next step. That spares copying weights and
-        # AdamW state on the driver's path (~1 s at 76.6M). From a GPU they are copied first.
+        # AdamW state on the driver's path. From a GPU they are copied first.
         copy = _cpu_copy if self.device != "cpu" else (lambda state: state)
         shared: dict = {}                 # tied weights stay one tensor (save_pretrained)
         weights = {k: shared.setdefault((v.data_ptr(), v.shape), copy(v.detach()))
@@ -218,8 +214,6 @@ class Learner:
         self.write["thread"].start()
 
     def _write(self, out: Path, weights: dict, optimizer: dict, rng: dict) -> None:
-        from comlrl.checkpoint_write import safetensors_hashed, torch_save_hashed
-
         try:
             # Not parents=True: a staging folder removed meanwhile (`abort`) stays removed.
             out.mkdir(exist_ok=True)
@@ -292,7 +286,6 @@ class Learner:
         state: dict[str, Any] = {}
         for f in sorted(src.glob("*.safetensors")):
             state.update(load_file(str(f)))
-        from comlrl.engines import check_loaded
 
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         check_loaded(self.model, missing, unexpected,
@@ -349,159 +342,12 @@ def _state_files(name: str, files: dict[str, str]) -> dict[str, str]:
             if file.endswith(".safetensors") or file in (OPTIMIZER_FILE, RNG_FILE)}
 
 
-PULL_BUCKET_BYTES = 128 * 1024 * 1024
-"""How much of a learner's weights is in flight at once on their way back to the user's
-model (two buckets: the one being read and the next, being written)."""
-
-
-def pull_weights(learners: list, models: list, bucket_bytes: int | None = None) -> None:
-    """Copy the learners' (Ray actors') final weights into `models`, a bucket at a time.
-
-    Each weight of the user's model gets fresh memory filled from its learner's, so neither
-    side ever holds a second copy of a whole model: one export of the whole state dict made
-    each 358M agent host 1.4 GB larger, and was where Ray's memory monitor killed them. A
-    learner on the driver's node writes each bucket into one of two tmpfs files that the
-    driver reads straight into the new tensors. Through the object store, freed buckets stay
-    until Ray's batched free (about a second), so most of a model would pile up there; that
-    is the way only for a learner on another node."""
-    import ray
-    import torch
-
-    from workers.launch import ray_get
-    from workers.transport import plan_layout, unpack_weights
-
-    bucket_bytes = bucket_bytes or PULL_BUCKET_BYTES
-    here = ray.get_runtime_context().get_node_id()
-    for agent, (learner, model) in enumerate(zip(learners, models)):
-        what = f"learner of agent {agent}"
-        current = model.state_dict(keep_vars=True)
-        theirs = ray_get(learner.transport_layout.remote(bucket_bytes), what)
-        if dict(zip(theirs["names"], map(list, theirs["shapes"]))) != \
-                {k: list(v.shape) for k, v in current.items()}:
-            # Not the same architecture: the strict load names the difference.
-            model.load_state_dict(unpack_weights(ray_get(learner.export_weights.remote(), what),
-                                                 copy=False))
-            continue
-        first: dict[int, str] = {}        # tied weights are one tensor, pulled once
-        for name, tensor in current.items():
-            first.setdefault(id(tensor), name)
-        dtypes = dict(zip(theirs["names"], theirs["dtypes"]))
-        layout = plan_layout([(n, list(current[n].shape), dtypes[n]) for n in first.values()],
-                             bucket_bytes)
-        buckets = [[(layout["names"][i], getattr(torch, layout["dtypes"][i]))
-                    for i in b["params"]] for b in layout["buckets"]]
-        local = ray_get(learner.node_info.remote(), what)["node_id"] == here
-        if local and os.path.isdir("/dev/shm"):
-            _pull_through_files(learner, current, buckets, what)
-        else:
-            _pull_through_store(learner, current, buckets, what)
-
-
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16",
-                       "F64": "float64", "I64": "int64", "I32": "int32", "U8": "uint8",
-                       "BOOL": "bool"}
-
-
-def map_checkpoint_weights(model: Any, folder: Path) -> bool:
-    """Point every weight of `model` at its bytes in `folder`'s safetensors files, mapped
-    copy-on-write (a write to a weight copies that page, as with `from_pretrained`'s
-    mapping). False, with the model unchanged, unless the files hold every weight of the
-    model with its shape and dtype. Files removed later (an older checkpoint rotated out)
-    stay readable through the mapping; this project never rewrites a checkpoint file."""
-    import json
-    import mmap
-    import struct
-
-    import torch
-
-    found: dict[str, Any] = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        for name, info in header.items():
-            dtype = getattr(torch, _SAFETENSORS_DTYPES.get(info.get("dtype", ""), ""), None) \
-                if name != "__metadata__" else None
-            if dtype is None:
-                continue
-            start, end = info["data_offsets"]
-            count = (end - start) // torch.empty((), dtype=dtype).element_size()
-            found[name] = torch.empty(info["shape"], dtype=dtype) if count == 0 else \
-                torch.frombuffer(mapped, dtype=dtype, count=count,
-                                 offset=8 + length + start).view(info["shape"])
-    current = model.state_dict(keep_vars=True)
-    first: dict[int, str] = {}
-    for name, tensor in current.items():
-        first.setdefault(id(tensor), name)
-    if any(name not in found or found[name].shape != current[name].shape
-           or found[name].dtype != current[name].dtype for name in first.values()):
-        return False
-    for name in first.values():
-        current[name].data = found[name]
-    return True
-
-
-def _pull_through_files(learner: Any, current: dict, buckets: list, what: str) -> None:
-    """The learner writes bucket i+1 into one tmpfs file while the driver reads bucket i
-    from the other straight into the model's new tensors."""
-    import tempfile
-
-    import torch
-
-    from workers.launch import ray_get
-
-    with tempfile.TemporaryDirectory(prefix="comlrl-pull-", dir="/dev/shm") as folder:
-        slots = [os.path.join(folder, f"bucket-{i}") for i in range(2)]
-        pending = learner.export_to_file.remote([n for n, _ in buckets[0]], slots[0])
-        for index, bucket in enumerate(buckets):
-            ray_get(pending, what)
-            if index + 1 < len(buckets):
-                pending = learner.export_to_file.remote(
-                    [n for n, _ in buckets[index + 1]], slots[(index + 1) % 2])
-            with open(slots[index % 2], "rb") as f, torch.no_grad():
-                for name, dtype in bucket:
-                    target = current[name]
-                    fresh = torch.empty_like(target)
-                    raw = fresh if fresh.dtype == dtype else \
-                        torch.empty(target.shape, dtype=dtype)
-                    view = raw.reshape(-1).view(torch.uint8).numpy()
-                    if f.readinto(view) != view.nbytes:
-                        raise RuntimeError(f"{what}: the weights file of {name} is short")
-                    if raw is not fresh:
-                        fresh.copy_(raw)
-                    target.data = fresh
-
-
-def _pull_through_store(learner: Any, current: dict, buckets: list, what: str) -> None:
-    """A bucket at a time through Ray's object store (`export_weights(names)`), the next one
-    asked for while this one is copied."""
-    import torch
-
-    from workers.launch import ray_get
-    from workers.transport import unpack_weights
-
-    def ask(i: int) -> Any:
-        return learner.export_weights.remote([n for n, _ in buckets[i]])
-
-    pending = ask(0)
-    for index in range(len(buckets)):
-        packed = ray_get(pending, what)
-        pending = ask(index + 1) if index + 1 < len(buckets) else None
-        with torch.no_grad():
-            for name, value in unpack_weights(packed, copy=False).items():
-                fresh = torch.empty_like(current[name])
-                fresh.copy_(value)
-                current[name].data = fresh
-        del packed
-
-
 def into_fresh_memory(model: Any, weights: dict) -> None:
     """Give each weight of `model` newly allocated memory, filled from `weights` (a state dict
     with the same names and shapes; anything else goes to a strict `load_state_dict`, which
     names the difference). `from_pretrained` maps the safetensors file copy-on-write, so
-    writing into a loaded weight faults page by page: 0.87 s per 306 MB here, against 0.06 s
-    for a fresh copy. Tied weights stay one tensor. Used on a CPU learner's weights at start
+    writing into a loaded weight faults page by page, far slower than a fresh copy
+    (BENCHMARKS.md). Tied weights stay one tensor. Used on a CPU learner's weights at start
     and on the user's models when the final weights come back (`pull_weights`)."""
     import torch
 
@@ -523,9 +369,8 @@ def into_fresh_memory(model: Any, weights: dict) -> None:
 def _into_current(current: dict, saved: dict) -> dict:
     """`saved`, an optimizer state dict mapped from its file (torch.load(mmap=True)), with
     each tensor copied into the optimizer's `current` one of the same name and shape (a warm
-    learner's, whose memory is already faulted in: the seed example's resume at 76.6M
-    restored both learners in 0.14-0.25 s, against 1.11-1.19 s into new memory), else into
-    fresh memory. No tensor stays mapped: AdamW writes its state in place, and each page of
+    learner's, whose memory is already faulted in, several times faster than new memory for
+    the seed example's resume: BENCHMARKS.md), else into fresh memory. No tensor stays mapped: AdamW writes its state in place, and each page of
     a private file mapping would fault and be copied on its first write."""
     import torch
 

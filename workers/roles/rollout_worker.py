@@ -1,9 +1,9 @@
 """Rollout worker: hosts one generation engine for one agent and tags outputs with a version.
 
-A plain class; `workers.launch` wraps it in `ray.remote`. Several workers may serve one agent:
+A plain class; `workers.driver.cluster` wraps it in `ray.remote`. Several workers may serve one agent:
 the driver splits a step's prompts across them, and per-request seeds make the samples the
 same whichever worker draws them. Weights arrive through `update_weights` (object store) or
-the receive methods of `workers.transport.WorkerEndpoint` (broadcast, CUDA IPC).
+the receive methods of `workers.transports.endpoints.WorkerEndpoint` (broadcast, CUDA IPC).
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from workers.transport import WorkerEndpoint
+from workers.console import problem
+from workers.engines import make_engine, SamplingSettings
+from workers.model_source import model_folder
+from workers.transports.buckets import unpack_weights
+from workers.transports.endpoints import WorkerEndpoint
 
 
 class RolloutWorker(WorkerEndpoint):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any]):
-        from comlrl.engines import SamplingSettings, make_engine
-        from workers.model_source import model_folder
-
         self.agent_index = agent_index
         with model_folder(model_source) as path:      # the engine loads all of it here
             self.engine = make_engine(engine, path, SamplingSettings(**sampling),
@@ -29,8 +30,6 @@ class RolloutWorker(WorkerEndpoint):
 
     def problem(self, text: str) -> None:
         """Say `text` on the driver's console, once (`workers.console.problem`)."""
-        from workers.console import problem
-
         problem(f"rollout worker of agent {self.agent_index}: {text}")
 
     def generate(self, requests: list[dict]) -> dict:
@@ -42,10 +41,8 @@ class RolloutWorker(WorkerEndpoint):
                 "tokens": sum(len(s["token_ids"]) for out in outputs for s in out)}
 
     def update_weights(self, version: int, weights: dict) -> float:
-        """Load `weights` (a state dict, or `workers.transport.pack_weights` of one) as
+        """Load `weights` (a state dict, or `workers.transports.buckets.pack_weights` of one) as
         `version`; returns the seconds it took."""
-        from workers.transport import unpack_weights
-
         start = time.perf_counter()
         if isinstance(weights.get("weights"), dict):
             weights = unpack_weights(weights)

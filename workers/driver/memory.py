@@ -10,9 +10,10 @@ The per-part sizes are those measured by benchmarks/bench_memory.py (BENCHMARKS.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from workers.engines import _config_dtype, cpu_kv_cache_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -124,24 +125,6 @@ def check_gpu_fits(need: int, device_bytes: int, share: float) -> None:
             f"MAGRPOConfig(memory_check=False) skips this estimate.")
 
 
-_KILLED = re.compile(r"^Selected to kill: .*?task name=(?P<task>[\w.]+).*?pid=(?P<pid>\d+), "
-                     r"actual memory used=(?P<used>[\d.]+)GB", re.MULTILINE)
-_NODE = re.compile(r"was (?P<used>[\d.]+)GB used / (?P<limit>[\d.]+)GB limit")
-
-
-def oom_sentence(what: str, report: str) -> str:
-    """One sentence for a kill by Ray's memory monitor: which actor, its memory, the node's,
-    and the fix, from Ray's `report` (a page: the object store, every worker, advice)."""
-    killed = [m.groupdict() for m in _KILLED.finditer(report)]
-    node = _NODE.search(report)
-    who = ", ".join(f"{k['task'].split('.')[0]} (pid {k['pid']}, {float(k['used']):.1f} GB)"
-                    for k in killed) or "an actor"
-    where = (f" when the machine had {float(node['used']):.1f} of {float(node['limit']):.1f} "
-             f"GB in use" if node else "")
-    return (f"{what}: Ray's memory monitor killed {who}{where}; the run needs more memory "
-            f"than this machine has: use engine_dtype='bfloat16', fewer or smaller agents, or "
-            f"a machine with more memory (the estimate MAGRPOConfig(memory_check=True) prints "
-            f"names the parts).")
 
 
 def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
@@ -159,8 +142,6 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
     engine_gpu = plan["rollout"].num_gpus > 0 or "host" in plan and plan["host"].num_gpus > 0
     dtype = settings["engine_kwargs"]["dtype"]
     if dtype == "auto":
-        from comlrl.engines import _config_dtype
-
         dtype = _config_dtype(folders[0]) if Path(folders[0]).is_dir() else "float32"
     engine_bytes = DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
     colocated = "host" in plan
@@ -174,7 +155,6 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
             check_gpu_fits(gpu_estimate(max(params), reference=reference),
                            torch.cuda.get_device_properties(0).total_memory, share)
         return
-    from comlrl.engines import cpu_kv_cache_bytes
 
     kw = settings["engine_kwargs"]
     kv = 0 if engine_gpu or not Path(folders[0]).is_dir() else \

@@ -5,19 +5,26 @@ K samples `{"token_ids": [...]}`. A request with `"logprobs": True` also gets `"
 the log-probs of the sampled tokens under the raw model distribution: training never reads
 them, so they are computed only when asked for (a log-softmax over the vocabulary per token).
 `load_weights(state_dict)` swaps in new weights without a restart.
-Engines live inside rollout-worker actors or agent hosts (workers/colocated.py), never in the
+Engines live inside rollout-worker actors or agent hosts (workers/roles/agent_host.py), never in the
 driver: an in-process vLLM engine reseeds global RNGs and fixes the torch thread count of its
 host process (docs/architecture.md, "Measured facts").
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import json
 import logging
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
+
+from comlrl.loading import load_causal_lm
 
 # Set before vLLM is imported in an engine's process; no outside server is ever contacted.
 ENGINE_ENV = {
@@ -29,13 +36,13 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
     # torch backs its large CPU allocations (>= 2 MB) with huge pages: a learner's first
-    # update allocates gradients and AdamW moments (0.9 GB at 76.6M), and in an actor each
-    # 4 KB first touch cost ~2.6 s/GB here; 76.6M seed run 54.0 -> 51.0 s (BENCHMARKS.md).
+    # update allocates gradients and AdamW moments, and in an actor the first touch of each
+    # 4 KB page is costly; the 76.6M seed run is shorter with them (BENCHMARKS.md).
     "THP_MEM_ALLOC_ENABLE": "1",
     # glibc keeps what an update frees for the next one instead of returning it to the
     # kernel: one arena for all threads (Ray's call threads each had their own, whose heaps
     # are unmapped when empty), never trimmed, chunks up to 32 MiB (its maximum) from the heap.
-    # 76.6M update: 0.3-2 s of page-fault time per update -> ~0 (BENCHMARKS.md section 0).
+    # With these an update's page faults end after the third update (BENCHMARKS.md section 0).
     "GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=68719476736"
                       ":glibc.malloc.mmap_threshold=33554432",
 }
@@ -47,17 +54,13 @@ def imports_without_gc() -> Iterator[None]:
     collector paused, then collect once and freeze what they made.
 
     The ~640k objects of vLLM's imports set off full collections over everything imported so
-    far: 1.5-1.6 of an engine import's 5.4-5.9 CPU-s here, paid by every actor at start on
-    cores the other actors are starting on. The one collection after the block frees the
+    far: a large share of an engine import's CPU time (BENCHMARKS.md), paid by every actor
+    at start on cores the other actors are starting on. The one collection after the block frees the
     imports' own garbage (13k objects, 12 MB); frozen, the rest is skipped by later ones.
     At exit they are unfrozen, so Python's last collection frees them as usual (frozen,
     triton's bindings reported themselves leaked). A block that imports nothing new (a warm
     learner's `reinit`, a host's learner after its engine) neither collects nor freezes: the
     objects alive then are a run's, such as the model about to be replaced."""
-    import atexit
-    import gc
-    import sys
-
     enabled, modules = gc.isenabled(), len(sys.modules)
     gc.disable()
     try:
@@ -90,8 +93,6 @@ class HFEngine:
     def __init__(self, model_path: str, sampling: SamplingSettings, *, dtype: str = "auto",
                  device: str = "cpu", threads: int | None = None, **_: Any):
         import torch
-
-        from comlrl.loading import load_causal_lm
 
         if threads:
             torch.set_num_threads(threads)
@@ -178,13 +179,10 @@ def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None,
     """KV-cache bytes for `sequences` sequences of `tokens` tokens at once (the most one call
     of the run generates, `comlrl.rollout.sequences_per_call` and `longest_sequence`; the
     engine's longest length where `tokens` is None), at most CPU_KV_CACHE_CAP. vLLM's CPU
-    backend zero-fills the whole cache while it starts, and on these VMs touching memory
-    costs 1-6 s per GB: a 10M seed engine needs 10 MiB of the 256 (BENCHMARKS.md). Any
+    backend zero-fills the whole cache while it starts, and touching memory is slow on
+    these VMs: a 10M seed engine needs 10 MiB of the 256 (BENCHMARKS.md). Any
     model this cannot size exactly (no plain decoder config, scaled RoPE, an unknown dtype)
     gets the cap, as before."""
-    import json
-    from pathlib import Path
-
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         heads = int(cfg["num_attention_heads"])
@@ -216,7 +214,7 @@ class VLLMEngine:
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
         # Frozen too, the imports' objects stay out of the five gc.collect() calls LLM()
-        # makes: 1.1 of its 2.0 CPU-s before (BENCHMARKS.md). vLLM freezes once started.
+        # makes, most of its CPU time before (BENCHMARKS.md). vLLM freezes once started.
         with imports_without_gc():
             import torch
             from vllm import LLM
@@ -318,7 +316,7 @@ class VLLMEngine:
 
     def _ready(self) -> None:
         """Awake, and OpenMP in the calling thread at the engine's count. vLLM's CPU attention
-        refuses any other count, and a threaded actor (an agent host, workers/colocated.py)
+        refuses any other count, and a threaded actor (an agent host, workers/roles/agent_host.py)
         runs each call in a pool thread whose count starts from OMP_NUM_THREADS. torch._C's
         setter: vLLM has turned `torch.set_num_threads` into a no-op."""
         import torch
@@ -388,9 +386,6 @@ def check_loaded(model: Any, missing: list[str], unexpected: list[str], what: st
 def _config_dtype(model_path: str) -> str:
     """The dtype the model was saved in: vLLM's own 'auto' turns float32 into bfloat16 on CPU,
     and the engine must compute what the float32 learner computes."""
-    import json
-    from pathlib import Path
-
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):

@@ -15,14 +15,26 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comlrl.engines import KV_BLOCK_TOKENS, kv_blocks
 from comlrl.rollout import longest_sequence, sequences_per_call
-from workers.launch import WARM_ACTORS, kill_actors, remove_placement
+from workers.console import quiet_progress_bars
+from workers.driver.cluster import WARM_ACTORS
+from workers.driver.placement import place, remove_placement
+from workers.driver.pool import RolloutPool
+from workers.engines import KV_BLOCK_TOKENS, kv_blocks
 from workers.model_source import pack_model_folder
+from workers.ray_calls import is_alive, kill_actors, ray_get, start_actor
+from workers.roles.agent_host import AgentHost
+from workers.roles.learner import Learner
+from workers.roles.rollout_worker import RolloutWorker
+from workers.transports.choice import make_transport
+from workers.transports.endpoints import with_learner_endpoint
+from workers.transports.object_store import ObjectStoreTransport
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -32,7 +44,7 @@ class Actors:
     """One train()'s actors and what they were built from."""
 
     key: str
-    pool: Any                                     # workers.pool.RolloutPool
+    pool: Any                                     # workers.driver.pool.RolloutPool
     learners: list = field(default_factory=list)
     learner_specs: list = field(default_factory=list)   # to restart a learner (`Session.heal`)
     checkpointer: Any = None
@@ -106,8 +118,6 @@ def warm_key(settings: dict, needs: list, plan: dict, folders: list[str], log_fo
 def take_warm(key: str) -> Actors | None:
     """The parked actors if they match `key` and all still answer; otherwise none (any parked
     ones are dropped)."""
-    from workers.pool import is_alive
-
     actors = WARM_ACTORS.pop("actors", None)
     if actors is None:
         return None
@@ -154,12 +164,7 @@ def save_models(trainer: Any, folder: str, show_progress: bool) -> tuple[list[st
     """The trainer's initial models and tokenizers saved into `folder`, one folder per agent
     for the actors to load; returns those and the run's fingerprints, which hash the saved
     weights (`MAGRPOTrainer.fingerprints`). Each agent's weights are written by a thread of
-    their own: writes mostly wait on the disk (76.6M, 2 agents: 0.36-0.82 s against
-    0.52-1.28 s one after the other)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from workers.console import quiet_progress_bars
-
+    their own: writes mostly wait on the disk (BENCHMARKS.md)."""
     with quiet_progress_bars(show_progress):
         models = trainer._initial_models()     # models given by name are loaded here
         folders = [str(Path(folder) / f"agent_{i}") for i in range(len(models))]
@@ -175,8 +180,8 @@ def model_sources(folders: list[str], local: bool) -> list:
     """What the actors load the models from. On a local Ray this process started, the
     driver's folders themselves: every actor shares its disk. Elsewhere each folder is packed
     into the object store (`pack_model_folder`), as actors on other nodes cannot
-    read the driver's disk; at 76.6M that costs ~6 CPU-s of start-up (the driver reads and
-    stores 2 x 306 MB, each actor writes its own copy), BENCHMARKS.md (start-up)."""
+    read the driver's disk; that costs start-up time (the driver reads and stores every
+    model, each actor writes its own copy; BENCHMARKS.md, start-up)."""
     if local:
         return list(folders)
     import ray
@@ -197,7 +202,7 @@ def use_folders(actors: Actors, folders: list[str]) -> None:
 def actor_needs(args: Any, plan: dict, num_agents: int, for_eval: bool) -> list:
     """(role, Placement) of every actor in placement-group bundle order: each agent's rollout
     workers, then one learner per agent (none for `for_eval`). With `colocate`, one host per
-    agent (its learner and worker 0, workers/colocated.py), then the agents' other workers."""
+    agent (its learner and worker 0, workers/roles/agent_host.py), then the agents' other workers."""
     per_agent = args.rollout_workers_per_agent
     if "host" in plan and not for_eval:
         return [("host", plan["host"])] * num_agents + \
@@ -212,13 +217,6 @@ def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list,
     own placement-group bundle (`actor_needs` order), logging where `logs`
     (workers.console.ActorLogs) says. `local`: on a local Ray this process started
     (`model_sources`). With `colocate` each agent's learner is its worker 0's actor."""
-    from workers.colocated import AgentHost
-    from workers.launch import place, start_actor
-    from workers.learner import Learner
-    from workers.pool import RolloutPool
-    from workers.rollout import RolloutWorker
-    from workers.transport import with_learner_endpoint
-
     args = trainer.args
     per_agent, n = args.rollout_workers_per_agent, trainer.num_agents
     placed, group = place(needs, plan["strategy"], args.placement_timeout_s)
@@ -253,8 +251,6 @@ def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list,
 def reinit_learners(learners: list, learner_specs: list) -> None:
     """Warm learners start over from the models their specs name (`Learner.reinit`; the specs
     point at this run's folders, `use_folders`)."""
-    from workers.launch import ray_get
-
     ray_get([learner.reinit.remote(*spec[2:], **kw)
              for learner, (spec, kw) in zip(learners, learner_specs)],
             "re-initialising learners")
@@ -265,10 +261,6 @@ def connect_transport(args: Any, plan: dict, learners: list, workers: list):
 
     With weight_transport='auto', a GPU transport that cannot be set up falls back to the
     object store with a warning; an explicit choice fails instead."""
-    import warnings
-
-    from workers.transport import ObjectStoreTransport, make_transport
-
     gpus = plan["learner"].num_gpus > 0 and plan["rollout"].num_gpus > 0
     transport = make_transport(plan["transport"], backend="nccl" if gpus else "gloo",
                                bucket_bytes=args.weight_bucket_bytes)

@@ -5,7 +5,7 @@ that is two imports of torch and transformers per agent and a weight push throug
 store after every update. A host imports them once, and the push to its own engine becomes an
 in-process copy (`load_own_weights`). Further workers of the agent
 (`rollout_workers_per_agent` > 1) stay separate actors and get the weights through the object
-store (`workers.transport.ColocatedTransport`). The driver still sees one learner and one
+store (`workers.transports.object_store.ColocatedTransport`). The driver still sees one learner and one
 worker 0 per agent: both are this actor's handle, so generation, updates, checkpoints and
 resume are unchanged.
 
@@ -20,17 +20,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from workers.learner import Learner
-from workers.rollout import RolloutWorker
-from workers.transport import LearnerEndpoint
+from workers.engines import imports_without_gc
+from workers.model_source import model_folder
+from workers.roles.learner import Learner
+from workers.roles.rollout_worker import RolloutWorker
+from workers.transports.endpoints import LearnerEndpoint
 
 
 class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
     def __init__(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,
                  engine_kwargs: dict[str, Any], learner_kwargs: dict[str, Any]):
-        from comlrl.engines import imports_without_gc
-        from workers.model_source import model_folder
-
         with imports_without_gc():      # the engine's imports run inside one too
             import torch
 

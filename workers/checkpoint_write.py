@@ -1,22 +1,19 @@
 """Writing a checkpoint's large files: one pass over the bytes, hashed on the way, past the
 page cache.
 
-On the VMs measured here an ordinary write of a new file costs 1.6-2.5 CPU-s per GB (every
-page-cache page it fills is fresh guest memory), more than hashing it (sha256 0.85 CPU-s
-per GB, xxh3 0.09), and the checkpointer then read each file back to hash it. `HashedWriter`
-writes with O_DIRECT (~0.01 CPU-s per GB for the write itself), hashing the bytes as they
-pass: block-aligned pieces straight from their own memory, the rest through one small
-aligned buffer. The commit records that digest, so nothing is read back (BENCHMARKS.md).
-Where O_DIRECT is refused (some filesystems; macOS has none) the same buffer is written the
-ordinary way.
+An ordinary write of a new file fills the page cache with fresh memory, which costs more
+than hashing the bytes, and reading each file back to hash it costs as much again
+(BENCHMARKS.md). `HashedWriter` writes with O_DIRECT, hashing the bytes as they pass:
+block-aligned pieces straight from their own memory, the rest through one small aligned
+buffer. The commit records that digest, so nothing is read back. Where O_DIRECT is refused
+(some filesystems; macOS has none) the same buffer is written the ordinary way. Runs in the
+learner actors; the digests themselves are `comlrl/digests.py`'s.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import mmap
 import os
 import struct
 import threading
@@ -24,109 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-DIGEST = "xxh3_128"
-"""How checkpoint files are hashed. The hash only has to notice a damaged or changed file,
-and xxh3 does that at ~11 GB/s here against sha256's 1.2 GB/s: at 76.6M, sha256 of a
-checkpoint's 1.84 GB was 1.6 of its 2.4 CPU-s (BENCHMARKS.md)."""
-
-
-def new_hash() -> Any:
-    """A hash object of this code's `DIGEST`; `digest_of` names its result."""
-    import xxhash
-
-    return xxhash.xxh3_128()
-
-
-def digest_of(h: Any) -> str:
-    return f"{DIGEST}:{h.hexdigest()}"
-
-
-def file_digest(path: Path, scheme: str = DIGEST, direct: bool = False) -> str:
-    """The file's digest as a checkpoint records it, made with `scheme`. `direct` reads past
-    the page cache (O_DIRECT), for files nobody reads next: filling the cache with fresh
-    guest memory cost 1.7 CPU-s per GB here, an O_DIRECT read 0.05. Where O_DIRECT is
-    refused (tmpfs, macOS) the file is read the ordinary way."""
-    h = new_hash() if scheme == DIGEST else hashlib.sha256()
-    fd, direct = _open_direct(path, os.O_RDONLY, direct)
-    buffer = _take_buffer()
-    view = memoryview(buffer)
-    try:
-        while True:
-            try:
-                n = os.readv(fd, [view])
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                direct = _drop_direct(fd)      # refused at the first read: nothing was read
-                continue
-            if not n:
-                break
-            h.update(view[:n])
-    finally:
-        os.close(fd)
-        view.release()
-        _give_back(buffer)
-    return digest_of(h) if scheme == DIGEST else h.hexdigest()
-
-
-def _open_direct(path: str | os.PathLike, flags: int, direct: bool = True) -> tuple[int, bool]:
-    """`os.open(path, flags)`, with O_DIRECT if `direct` and the filesystem takes it;
-    returns the descriptor and whether it is direct."""
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise                         # EINVAL: a filesystem that refuses O_DIRECT
-    return os.open(path, flags, 0o644), False
-
-
-def _drop_direct(fd: int) -> bool:
-    """Clear O_DIRECT on `fd` (a filesystem that refused a direct read or write); False."""
-    import fcntl
-
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    return False
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file (model fingerprints, which checkpoints of every version compare)."""
-    return file_digest(path, "sha256")
-
-
-ALIGN = 4096
-"""O_DIRECT wants the buffer's address, the file offset and each length aligned to the
-device's logical block (512 or 4096 bytes)."""
-BUFFER_BYTES = 8 << 20
-KEPT_BUFFERS = 2
-"""How many buffers a process keeps: a learner writes one file at a time, and the other
-two of a driver's four verify readers are unmapped when done."""
-_BUFFERS: list[mmap.mmap] = []
-_BUFFERS_LOCK = threading.Lock()
-
-
-def _take_buffer() -> mmap.mmap:
-    """A BUFFER_BYTES buffer, page-aligned (anonymous memory), for one file's reads or
-    writes; `_give_back` keeps it for the next file. On these VMs memory the process has not
-    touched lately costs ~1 s per GB to touch (and to give back): a new buffer for each of a
-    checkpoint's files slowed a colocated 10M engine's generation by ~13 ms per file."""
-    with _BUFFERS_LOCK:
-        if _BUFFERS:
-            return _BUFFERS.pop()
-    return mmap.mmap(-1, BUFFER_BYTES)
-
-
-def _give_back(buffer: mmap.mmap) -> None:
-    """Keep `buffer` for the next file; past KEPT_BUFFERS kept (a driver verifies with four
-    readers at once) it is unmapped."""
-    with _BUFFERS_LOCK:
-        if len(_BUFFERS) < KEPT_BUFFERS:
-            _BUFFERS.append(buffer)
-            return
-    try:
-        buffer.close()
-    except BufferError:    # a view still held (an error's traceback): unmapped when freed
-        pass
+from comlrl.digests import ALIGN, BUFFER_BYTES, digest_of, drop_direct, give_back, new_hash, \
+    open_direct, take_buffer
 
 
 class HashedWriter:
@@ -137,8 +33,8 @@ class HashedWriter:
     removes what it was writing into)."""
 
     def __init__(self, path: str | os.PathLike, direct: bool = True):
-        self.fd, self.direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
-        self.buffer = _take_buffer()
+        self.fd, self.direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
+        self.buffer = take_buffer()
         self.view = memoryview(self.buffer)
         self.fill = 0
         self.written = 0
@@ -189,7 +85,7 @@ class HashedWriter:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self.direct = _drop_direct(self.fd)  # the rest goes through the buffer
+                self.direct = drop_direct(self.fd)  # the rest goes through the buffer
         return pos
 
     def _flush(self, length: int) -> None:
@@ -200,7 +96,7 @@ class HashedWriter:
             except OSError as exc:
                 if not self.direct or exc.errno != errno.EINVAL:
                     raise                     # e.g. ENOSPC: the caller's error to explain
-                self.direct = _drop_direct(self.fd)  # refused only at the first write
+                self.direct = drop_direct(self.fd)  # refused only at the first write
         self.fill = 0
 
     def __enter__(self) -> "HashedWriter":
@@ -220,7 +116,7 @@ class HashedWriter:
         finally:
             os.close(self.fd)
             self.view.release()
-            _give_back(self.buffer)
+            give_back(self.buffer)
 
 
 _PATCH_LOCK = threading.Lock()
@@ -228,8 +124,8 @@ _PATCH_LOCK = threading.Lock()
 
 def torch_save_hashed(obj: Any, path: str | os.PathLike) -> str:
     """`torch.save(obj, path)` through a `HashedWriter`; returns the file's digest. Its zip
-    records get no CRC-32: that was 0.36 of 0.50 CPU-s for a 76.6M AdamW state (crc32 runs
-    at 2.2 GB/s here), and the digest already covers every byte. Each tensor's bytes start
+    records get no CRC-32: computing it was most of the save's CPU time (BENCHMARKS.md), and
+    the digest already covers every byte. Each tensor's bytes start
     on a block boundary of the file, so the writer can send them from the tensor itself.
     torch.load reads the file as any other. These settings are process-wide: set under the
     lock, put back right after."""

@@ -1,6 +1,6 @@
 """Session: everything one `train()` (or `evaluate()`) call runs on Ray, started and stopped.
 
-It starts (or joins) Ray, places the actors (workers/actors.py), connects the weight transport,
+It starts (or joins) Ray, places the actors (workers/driver/actors.py), connects the weight transport,
 restores a checkpoint, opens the driver's W&B run, and stops all of it, whatever happened. The
 loop calls its verbs: `generate`, `update_and_push`, `log_step`, `save_checkpoint`. The map of
 who owns what is docs/architecture.md."""
@@ -10,18 +10,77 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from comlrl import magrpo
-from comlrl.checkpoint import verify_checksums
+from comlrl.checkpoint import (
+    CheckpointWriteError,
+    list_checkpoints,
+    read_checkpoint_metadata,
+    verify_checksums,
+)
 from comlrl.config import RESUMABLE_FIELDS
 from comlrl.fingerprints import compare_fingerprints
 from comlrl.metrics import step_metrics
-from comlrl.rollout import Node, StepRecord, learner_group
+from comlrl.rollout import learner_group, Node, StepRecord
 from comlrl.wandb_run import open_wandb_run
 from workers import console
+from workers.driver.actors import (
+    actor_needs,
+    actor_settings,
+    Actors,
+    connect_transport,
+    drop_warm,
+    park,
+    reinit_learners,
+    save_models,
+    start_actors,
+    take_warm,
+    use_folders,
+    warm_key,
+    warm_learners_hold,
+)
+from workers.driver.cluster import ensure_ray
+from workers.driver.hand_back import map_checkpoint_weights, pull_weights
+from workers.driver.memory import preflight
+from workers.driver.placement import (
+    check_resources,
+    colocate_here,
+    Placement,
+    plan_placement,
+    remove_placement,
+)
+from workers.ray_calls import ActorFailure, first_line, is_alive, kill_actors, ray_get, start_actor
+from workers.roles.checkpointer import Checkpointer
+
+
+@dataclass
+class Progress:
+    """The session's counters: what a checkpoint records of the loop besides the trainer's
+    env_step, written by `Session.save_checkpoint` and comlrl's manual save and read back on
+    a resume and on a heal, all through `to_metadata` / `from_metadata`."""
+
+    epoch: int = 0
+    """Completed epochs (the loop sets it as each epoch ends)."""
+    learner_updates: int = 0
+    """Updates every learner has taken in this run (seeds each update's shuffle)."""
+    last_train_log: int = -1
+    """env_step of the last training point sent to W&B (`logging_steps` counts from it)."""
+
+    def to_metadata(self, env_step: int) -> dict:
+        """The counters under a checkpoint metadata's names, with the trainer's env_step."""
+        return {"env_step": env_step, "epoch": self.progress.epoch, "update_index": self.progress.learner_updates,
+                "last_train_log": self.progress.last_train_log}
+
+    @classmethod
+    def from_metadata(cls, meta: dict) -> tuple["Progress", int]:
+        """The counters and env_step a checkpoint's metadata holds; {} is a fresh start."""
+        return cls(int(meta.get("epoch", 0)), int(meta.get("update_index", 0)),
+                   int(meta.get("last_train_log", -1))), int(meta.get("env_step", 0))
 
 
 class Session:
@@ -34,10 +93,8 @@ class Session:
         self.resume_path = resume_path
         self.resume_meta = resume_meta
         self.for_eval = for_eval
-        self.epoch = 0                      # completed epochs
-        self.learner_updates = 0            # updates every learner has taken in this run
+        self.progress = Progress()          # the counters a checkpoint records
         self.engine_versions = [0] * trainer.num_agents  # weight version each agent's engines hold
-        self.last_train_log = -1            # env_step of the last training point sent
         self.pending_metrics: dict = {}     # events (e.g. restarts) riding with the next point
         self.run_uid: str | None = None
         self.fingerprints: dict = {}
@@ -57,7 +114,7 @@ class Session:
         self.written: list[str] = []        # checkpoints this train() published
         self.wandb_info: dict | None = None  # the W&B run, for the closing summary
         self.actor_restarts = 0             # learner/checkpointer restarts (`heal`)
-        self.actor_key = ""                 # what shaped the actors (workers.actors.warm_key)
+        self.actor_key = ""                 # what shaped the actors (workers.driver.actors.warm_key)
 
     @property
     def workers(self) -> list[list]:
@@ -79,85 +136,15 @@ class Session:
         return self
 
     def _start(self) -> None:
-        import ray
-
-        from workers.actors import (
-            actor_needs, actor_settings, connect_transport, drop_warm, reinit_learners,
-            save_models, start_actors, take_warm, use_folders, warm_key, warm_learners_hold,
-        )
-        from workers.launch import (
-            check_resources, colocate_here, ensure_ray, kill_actors, plan_placement, ray_get,
-        )
-
+        """Start everything a train() (or evaluate()) runs on, in an order that refuses a
+        bad resume before anything starts and overlaps what waits on other processes."""
         trainer, args = self.trainer, self.trainer.args
         # Actor output goes to a log file per actor unless full output is asked for.
         self.logs = console.ActorLogs.for_run(args.verbose, self.checkpoint_dir)
-        # Actors load the models from folders: the driver's models, saved once here (and
-        # hashed) while Ray starts, which mostly waits on its processes: ~1 s at 76.6M; W&B
-        # starts meanwhile (about 2 s). A resume verifies its checkpoint's files meanwhile and
-        # W&B waits for the checks: a changed model or file is refused before anything starts.
-        helper, checked = ThreadPoolExecutor(2), Future()
-        self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-split-")
-        self.saving = helper.submit(save_models, trainer, self.tmp.name, self.logs.full)
-        meta = self.resume_meta
-        self.opening_wandb = helper.submit(open_wandb_run, trainer, meta, self.checkpoint_dir,
-                                           checked.result)
-        helper.shutdown(wait=False)
-        try:
-            if meta is not None:
-                verify_checksums(self.resume_path, meta, warm_learners_hold(meta["files"]))
-                folders, self.fingerprints = self.saving.result()
-                compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
-                                     skip_callables=args.skip_callable_fingerprints)
-                self._restore_progress(meta)
-                self.run_uid = meta["run_uid"]
-            elif not self.for_eval:  # evaluate() logs at the env_step training reached
-                self._restore_progress({})
-                self.run_uid = f"{time.time_ns():x}"
-            if self.epoch > args.num_train_epochs:
-                raise ValueError(f"num_train_epochs={args.num_train_epochs} is below the "
-                                 f"{self.epoch} epochs the checkpoint already completed; "
-                                 f"num_train_epochs counts the whole run.")
-        except BaseException as error:
-            checked.set_exception(error)
-            raise
-        checked.set_result(None)
-
-        weight_bytes = sum(p.numel() * p.element_size() for m in trainer._initial_models()
-                           for p in m.state_dict().values())
-        n_workers = trainer.num_agents * args.rollout_workers_per_agent
-        # One placement-group bundle per actor (workers.launch.plan_placement says why PACK,
-        # or STRICT_PACK for single_gpu); impossible requests fail here, naming the setting.
-        plan = plan_placement(args, trainer.num_agents, colocate_here(args))
-        needs = actor_needs(args, plan, trainer.num_agents, self.for_eval)
-        self.started_ray = ensure_ray(args.ray_address, weight_bytes,
-                                      sum(p.num_cpus for _, p in needs),
-                                      quiet=not self.logs.full)
-        folders, self.fingerprints = self.saving.result()
-        check_resources(needs, plan["strategy"])
-        # Threads follow the real cores of a Ray we started (its CPU count may be larger).
-        cores = max(1, (os.cpu_count() or 1) if self.started_ray
-                    else int(ray.cluster_resources().get("CPU", 1)))
-        settings = actor_settings(trainer, plan, cores, n_workers)
-        key = self.actor_key = warm_key(settings, needs, plan, folders, self.logs.folder,
-                                        args.ray_address)
-        # Actors a clean train() of this process parked (workers/actors.py), if they fit.
-        warm = take_warm(key) if self.started_ray and not self.for_eval else drop_warm()
-        if warm is not None:
-            use_folders(warm, folders)
-        elif args.memory_check and self.started_ray:
-            # This machine holds the whole run: refuse now what Ray would kill part-way.
-            from workers.memory import preflight
-
-            preflight(trainer, plan, [str(f) for f in folders], settings,
-                      checkpointing=bool(self.checkpoint_dir))
-        actors = warm or start_actors(trainer, self.logs, key, settings, needs, plan, folders,
-                                      self.fingerprints["models"], self.for_eval,
-                                      local=self.started_ray)
-        self.pool, self.learners = actors.pool, actors.learners
-        self.learner_specs, self.placement_group = actors.learner_specs, actors.placement_group
-        self.checkpointer, self.transport = actors.checkpointer, actors.transport
+        self._check_resume(self._save_models_and_open_wandb())
+        plan, warm = self._place_actors()
         self.pool.restarts, self.pool.on_restart = 0, self._on_worker_restart
+        meta = self.resume_meta
         if warm is not None and (meta is None or warm.models != self.fingerprints["models"]):
             # Taken warm: the learners start over from this run's models (a resume then
             # loads its checkpoint over them; the reference model stays this run's).
@@ -170,20 +157,106 @@ class Session:
         ray_get([w.get_version.remote() for w in self.pool.actors + self.learners],
                 "starting rollout workers and learners")
         if not self.for_eval:
+            n_workers, hosts = trainer.num_agents * args.rollout_workers_per_agent, \
+                self.pool.hosts * trainer.num_agents
             console.header(Path(self.checkpoint_dir).resolve() if self.checkpoint_dir
                            else None, trainer.model_name,
-                           {"learner+engine host": self.pool.hosts * trainer.num_agents,
-                            "rollout worker": n_workers - self.pool.hosts * trainer.num_agents,
+                           {"learner+engine host": hosts, "rollout worker": n_workers - hosts,
                             "learner": len(self.learners) * (not self.pool.hosts),
                             "checkpointer": int(self.checkpointer is not None)}, self.logs,
                            reused=warm is not None)
         if self.transport is None:
             self.transport = connect_transport(args, plan, self.learners, self.workers)
         self.pool.attach(self.learners, self.transport)
-        kept = False                    # every warm learner kept the checkpoint's state
+        self._restore_learners(warm)
+        self.wandb = self.opening_wandb.result()
+        self.wandb.catch_sigterm()
+        self.wandb_info = console.wandb_info(self.wandb.run)   # its folder, while it is open
+
+    def _save_models_and_open_wandb(self) -> Future:
+        """Start, in the background, saving the driver's models into folders (the actors
+        load them from there; hashed on the way) and opening W&B; both mostly wait on other
+        processes while Ray starts. W&B waits on the returned future, which `_check_resume`
+        settles: a changed model or file is refused before the W&B run is touched."""
+        helper, checked = ThreadPoolExecutor(2), Future()
+        self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-split-")
+        self.saving = helper.submit(save_models, self.trainer, self.tmp.name, self.logs.full)
+        self.opening_wandb = helper.submit(open_wandb_run, self.trainer, self.resume_meta,
+                                           self.checkpoint_dir, checked.result)
+        helper.shutdown(wait=False)
+        return checked
+
+    def _check_resume(self, checked: Future) -> None:
+        """Verify a resume's checkpoint files and fingerprints and restore the counters (a
+        fresh run starts them at zero), then let W&B go on, or hand it the refusal."""
+        args, meta = self.trainer.args, self.resume_meta
+        try:
+            if meta is not None:
+                verify_checksums(self.resume_path, meta, warm_learners_hold(meta["files"]))
+                folders, self.fingerprints = self.saving.result()
+                compare_fingerprints(meta["fingerprints"], self.fingerprints, RESUMABLE_FIELDS,
+                                     skip_callables=args.skip_callable_fingerprints)
+                self._restore_progress(meta)
+                self.run_uid = meta["run_uid"]
+            elif not self.for_eval:  # evaluate() logs at the env_step training reached
+                self._restore_progress({})
+                self.run_uid = f"{time.time_ns():x}"
+            if self.progress.epoch > args.num_train_epochs:
+                raise ValueError(f"num_train_epochs={args.num_train_epochs} is below the "
+                                 f"{self.progress.epoch} epochs the checkpoint already "
+                                 f"completed; num_train_epochs counts the whole run.")
+        except BaseException as error:
+            checked.set_exception(error)
+            raise
+        checked.set_result(None)
+
+    def _place_actors(self) -> tuple[dict, Any]:
+        """Join or start Ray, then take this process's parked actors if they were built the
+        same way, else start new ones (refused first if this machine cannot hold them).
+        Returns the placement plan and the warm actors taken (None: new ones)."""
+        import ray
+
+        trainer, args = self.trainer, self.trainer.args
+        weight_bytes = sum(p.numel() * p.element_size() for m in trainer._initial_models()
+                           for p in m.state_dict().values())
+        # One placement-group bundle per actor (`plan_placement` says why PACK, or
+        # STRICT_PACK for single_gpu); impossible requests fail here, naming the setting.
+        plan = plan_placement(args, trainer.num_agents, colocate_here(args))
+        needs = actor_needs(args, plan, trainer.num_agents, self.for_eval)
+        self.started_ray = ensure_ray(args.ray_address, weight_bytes,
+                                      sum(p.num_cpus for _, p in needs),
+                                      quiet=not self.logs.full)
+        folders, self.fingerprints = self.saving.result()
+        check_resources(needs, plan["strategy"])
+        # Threads follow the real cores of a Ray we started (its CPU count may be larger).
+        cores = max(1, (os.cpu_count() or 1) if self.started_ray
+                    else int(ray.cluster_resources().get("CPU", 1)))
+        settings = actor_settings(trainer, plan, cores,
+                                  trainer.num_agents * args.rollout_workers_per_agent)
+        key = self.actor_key = warm_key(settings, needs, plan, folders, self.logs.folder,
+                                        args.ray_address)
+        # Actors a clean train() of this process parked (workers/driver/actors.py), if they fit.
+        warm = take_warm(key) if self.started_ray and not self.for_eval else drop_warm()
+        if warm is not None:
+            use_folders(warm, folders)
+        elif args.memory_check and self.started_ray:
+            # This machine holds the whole run: refuse now what Ray would kill part-way.
+            preflight(trainer, plan, [str(f) for f in folders], settings,
+                      checkpointing=bool(self.checkpoint_dir))
+        actors = warm or start_actors(trainer, self.logs, key, settings, needs, plan, folders,
+                                      self.fingerprints["models"], self.for_eval,
+                                      local=self.started_ray)
+        self.pool, self.learners = actors.pool, actors.learners
+        self.learner_specs, self.placement_group = actors.learner_specs, actors.placement_group
+        self.checkpointer, self.transport = actors.checkpointer, actors.transport
+        return plan, warm
+
+    def _restore_learners(self, warm: Any) -> None:
+        """A resume restores every learner (warm ones still holding the checkpoint keep
+        their state, and their engines its weights); then every engine that does not hold
+        the learners' weights gets them before the first rollout."""
+        meta, kept = self.resume_meta, False
         if meta is not None:
-            # Restore learners (warm ones still holding the checkpoint keep their state, and
-            # their engines its weights), then give every engine those weights.
             restored = ray_get([learner.resume.remote(str(Path(self.resume_path) / f"agent_{a}"),
                                                       meta["files"])
                                 for a, learner in enumerate(self.learners)], "restoring learners")
@@ -191,14 +264,8 @@ class Session:
             kept = warm is not None and all(keeps for _, keeps in restored)
         if (meta is not None or warm is not None) and not kept:
             self.push_weights()
-        self.wandb = self.opening_wandb.result()
-        self.wandb.catch_sigterm()
-        self.wandb_info = console.wandb_info(self.wandb.run)   # its folder, while it is open
 
     def _start_checkpointer(self, fresh: bool) -> None:
-        from workers.checkpointer import Checkpointer
-        from workers.launch import Placement, ray_get, start_actor
-
         # `_checkpoint_before_publish`: a test hook run in the checkpointer just before a
         # staged checkpoint is published (tests kill the run there).
         settings = (self.checkpoint_dir, self.total_limit, self.run_uid,
@@ -217,12 +284,6 @@ class Session:
         checkpoint (or the initial weights), push those to the engines and rewind the
         counters, so the loop redoes the lost work and logs the same values. Anything else,
         or more than `max_actor_restarts` times, is raised, naming the actor and the fix."""
-        import warnings
-
-        from comlrl.checkpoint import list_checkpoints, read_checkpoint_metadata
-        from workers.launch import kill_actors, ray_get, start_actor
-        from workers.pool import first_line, is_alive
-
         dead = [f"learner of agent {a}" for a, learner in enumerate(self.learners)
                 if not is_alive(learner)]
         if self.checkpointer is not None and not is_alive(self.checkpointer):
@@ -267,9 +328,6 @@ class Session:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Stop everything, each step whatever the others did. W&B is told the truth: a run
         that failed or was stopped finishes with a nonzero exit code."""
-        from workers.actors import Actors, park
-        from workers.launch import kill_actors, remove_placement
-
         if exc_type is None:
             exit_code = 0
         elif issubclass(exc_type, SystemExit):
@@ -278,7 +336,7 @@ class Session:
             exit_code = 1
         def release_actors() -> None:
             # A clean train() on a Ray this process started parks its actors for the next
-            # train() (workers/actors.py); anything else kills them.
+            # train() (workers/driver/actors.py); anything else kills them.
             if exit_code == 0 and first_error is None and self.started_ray \
                     and not self.for_eval and self.pool is not None:
                 park(Actors(self.actor_key, self.pool, self.learners, self.learner_specs,
@@ -294,9 +352,13 @@ class Session:
             if self.wandb is not None:
                 self.wandb.finish(exit_code)
 
-        # The models' folder goes last, once nothing writes into it (`save_models`).
-        steps = [self.wait_checkpoint, finish_wandb, release_actors,
-                 lambda: self.tmp is not None and (wait([self.saving]), self.tmp.cleanup())]
+        def remove_model_folders() -> None:
+            if self.tmp is not None:
+                wait([self.saving])         # nothing may still write into them
+                self.tmp.cleanup()
+
+        # The models' folders go last, once nothing writes into them (`save_models`).
+        steps = [self.wait_checkpoint, finish_wandb, release_actors, remove_model_folders]
         first_error = None
         for step in steps:
             try:
@@ -323,29 +385,25 @@ class Session:
 
     def update_and_push(self, nodes: list[Node], record: StepRecord) -> None:
         """One update of every learner on `nodes` (comlrl's drained buffer), then the push."""
-        from workers.launch import ray_get
-
         args = self.trainer.args
         # Engines release their GPU memory before the learners train (single_gpu preset).
         self.sleep_engines()
         refs = []
         for a, learner in enumerate(self.learners):
             groups = [learner_group(node, a, args) for node in nodes]
-            seed = magrpo.derive_seed(args.seed, "shuffle", self.learner_updates, a)
+            seed = magrpo.derive_seed(args.seed, "shuffle", self.progress.learner_updates, a)
             refs.append(learner.update.remote(groups, seed))
         start = time.perf_counter()
         record.learner = ray_get(refs, "learners updating")
         record.learning = time.perf_counter() - start
-        self.learner_updates += 1
+        self.progress.learner_updates += 1
         start = time.perf_counter()
         self.push_weights()
         record.weight_sync = time.perf_counter() - start
 
     def push_weights(self) -> None:
-        """Every learner's current weights to each of its agent's engines (`workers.transport`);
+        """Every learner's current weights to each of its agent's engines (`workers.transports.endpoints`);
         a worker found dead is restarted, which gives it these same weights."""
-        from workers.launch import ray_get
-
         if self.trainer.args.enable_sleep_mode:      # engines wake (`sleep_engines`)
             self.pool.call_every_worker("wake")
         versions = ray_get([l.get_version.remote() for l in self.learners], "learners")
@@ -360,8 +418,6 @@ class Session:
             self.pool.call_every_worker("sleep")
 
     def _on_worker_restart(self, message: str) -> None:
-        import warnings
-
         self.pending_metrics["rollout/restarts"] = self.pool.restarts
         warnings.warn(message)
 
@@ -376,26 +432,24 @@ class Session:
     def log_step(self, nodes: list[Node], record: StepRecord, extra: dict, step: int) -> None:
         """An update's training metrics at env_step `step` (every `logging_steps`) plus `extra`."""
         logging_steps = self.trainer.args.logging_steps
-        if self.last_train_log >= 0 and step - self.last_train_log < logging_steps:
+        if self.progress.last_train_log >= 0 and step - self.progress.last_train_log < logging_steps:
             self.log(extra, step)
             return
-        self.last_train_log = step
-        self.log({**extra, **step_metrics(nodes, record, self.trainer.args, self.epoch)}, step)
+        self.progress.last_train_log = step
+        self.log({**extra, **step_metrics(nodes, record, self.trainer.args, self.progress.epoch)}, step)
 
     # ---- checkpoints
 
     def save_checkpoint(self) -> None:
         """Learners snapshot their state and write it into a staging dir in the background;
         the checkpointer publishes it once every write is done. Training goes on meanwhile."""
-        from workers.launch import ray_get
-
         self.wait_checkpoint()
         self._warn_if_disk_is_short()
-        staging = ray_get(self.checkpointer.begin.remote(self.epoch), "checkpointer")
+        staging = ray_get(self.checkpointer.begin.remote(self.progress.epoch), "checkpointer")
         ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
                  for a, learner in enumerate(self.learners)], "learners saving")
         metadata = {
-            **self.progress(), "last_logged_step": self.wandb.last_step,
+            **self.progress.to_metadata(self.trainer.env_step), "last_logged_step": self.wandb.last_step,
             "wandb_rows": self.wandb.rows,   # durable with the checkpoint (wandb_run.py)
             "policy_versions": list(self.engine_versions),
             "wandb": self.wandb.identity or {}, "run_uid": self.run_uid,
@@ -403,38 +457,21 @@ class Session:
         }
         # Ray runs the commit once every learner's `saved` (the files it wrote) is ready.
         writes = [learner.saved.remote() for learner in self.learners]
-        self.pending_checkpoint = (self.epoch, writes,
-                                   self.checkpointer.commit.remote(self.epoch, metadata, *writes))
-
-    def progress(self) -> dict:
-        """The counters a checkpoint records (`save_checkpoint`, and comlrl's manual save),
-        under its metadata's names; `_restore_progress` reads them back on a resume and on a
-        heal from the newest checkpoint."""
-        return {"env_step": self.trainer.env_step, "epoch": self.epoch,
-                "update_index": self.learner_updates, "last_train_log": self.last_train_log}
+        self.pending_checkpoint = (self.progress.epoch, writes,
+                                   self.checkpointer.commit.remote(self.progress.epoch, metadata, *writes))
 
     def _restore_progress(self, meta: dict) -> None:
-        """Set the counters from checkpoint metadata; {} is a fresh start. The only place
+        """Set the counters from checkpoint metadata ({}: a fresh start). The only place
         besides the rollout (which counts it up) that writes the trainer's env_step."""
-        self.trainer.env_step = int(meta.get("env_step", 0))
-        self.epoch = int(meta.get("epoch", 0))
-        self.learner_updates = int(meta.get("update_index", 0))
-        self.last_train_log = int(meta.get("last_train_log", -1))
+        self.progress, self.trainer.env_step = Progress.from_metadata(meta)
 
     def _warn_if_disk_is_short(self) -> None:
-        import warnings
-
-        from workers.launch import ray_get
-
         text = ray_get(self.checkpointer.free_space_warning.remote(), "checkpointer")
         if text:
             warnings.warn(text)
 
     def wait_checkpoint(self) -> str | None:
         import ray
-
-        from comlrl.checkpoint import CheckpointWriteError
-        from workers.launch import ActorFailure, ray_get
 
         if self.pending_checkpoint is None:
             return None
@@ -460,14 +497,10 @@ class Session:
         process sees its folder), each agent's weights are mapped from its safetensors file
         instead, as `from_pretrained` maps a model: memory the kernel can reclaim, not a new
         copy per agent (at 358M that copy was the run's peak, BENCHMARKS.md section 7)."""
-        from comlrl.checkpoint import read_checkpoint_metadata
-        from workers.launch import ray_get
-        from workers.learner import map_checkpoint_weights, pull_weights
-
         models = self.trainer._initial_models()
         last = Path(self.written[-1]) if self.written else None
         left = list(zip(self.learners, models))
-        if last is not None and last.name == f"checkpoint-{self.epoch}" and last.is_dir():
+        if last is not None and last.name == f"checkpoint-{self.progress.epoch}" and last.is_dir():
             files = read_checkpoint_metadata(last).get("files", {})
             holds = ray_get([learner.holds.remote(f"agent_{a}", files)
                              for a, learner in enumerate(self.learners)], "learners")

@@ -14,7 +14,7 @@ import time
 import warnings
 from typing import Any, Callable
 
-from workers.launch import ActorFailure, kill_actors, ray_get, start_actor
+from workers.ray_calls import ActorFailure, first_line, is_alive, kill_actors, ray_get, start_actor
 
 MAX_RESTARTS_PER_CALL = 2
 """Restarts of one worker within one call before the call gives up."""
@@ -150,21 +150,3 @@ class RolloutPool:
                 self._get(agent, index, self.workers[agent][index].get_version.remote(), None,
                           "receiving weights")
 
-
-def is_alive(actor: Any) -> bool:
-    """Whether `actor` (any of our roles) still answers; a busy one counts as alive."""
-    import ray
-
-    probe = actor.get_version if hasattr(actor, "get_version") else actor.free_space_warning
-    try:
-        ray.get(probe.remote(), timeout=60)
-    except ray.exceptions.RayActorError:
-        return False
-    except ray.exceptions.GetTimeoutError:
-        pass
-    return True
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (Ray's carry the whole remote traceback)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
