@@ -1103,3 +1103,15 @@ def test_a_weight_left_unloaded_is_refused_unless_tied():
     result = model.load_state_dict(state, strict=False)
     with pytest.raises(ValueError, match=r"not loaded \['norm.weight'\]"):
         check_loaded(model, result.missing_keys, result.unexpected_keys, "untied")
+
+
+def test_the_session_counters_go_into_checkpoint_metadata_and_come_back_unchanged():
+    """Issue 36: save, manual save, resume and heal all go through `Progress`: what it writes
+    under the metadata's names is what it reads back, and {} is a fresh start."""
+    from workers.driver.session import Progress
+
+    counters = Progress(epoch=3, learner_updates=7, last_train_log=24)
+    meta = counters.to_metadata(env_step=32)
+    assert meta == {"env_step": 32, "epoch": 3, "update_index": 7, "last_train_log": 24}
+    assert Progress.from_metadata(meta) == (counters, 32)
+    assert Progress.from_metadata({}) == (Progress(0, 0, -1), 0)

@@ -73,8 +73,8 @@ class Progress:
 
     def to_metadata(self, env_step: int) -> dict:
         """The counters under a checkpoint metadata's names, with the trainer's env_step."""
-        return {"env_step": env_step, "epoch": self.progress.epoch, "update_index": self.progress.learner_updates,
-                "last_train_log": self.progress.last_train_log}
+        return {"env_step": env_step, "epoch": self.epoch, "update_index": self.learner_updates,
+                "last_train_log": self.last_train_log}
 
     @classmethod
     def from_metadata(cls, meta: dict) -> tuple["Progress", int]:
