@@ -309,7 +309,7 @@ class MAGRPOConfig:
                 f"placement_timeout_s must be > 0 (got {self.placement_timeout_s!r}).")
 
     def _check_weight_push_fields(self) -> None:
-        """weight_transport (one of WEIGHT_TRANSPORTS) and weight_bucket_bytes (an int >= 1 MiB)."""
+        """weight_transport (one of WEIGHT_TRANSPORTS), weight_bucket_bytes (an int >= 1 MiB)."""
         if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(
                 f"weight_transport must be 'auto', 'object_store', 'nccl' or 'cuda_ipc' "

@@ -1,5 +1,6 @@
-"""Actors: which parked actors a later train() may take (workers/driver/actors.py `warm_key`, pure),
-how a local Ray gives them their environment, and an agent host (workers/roles/agent_host.py)."""
+"""Actors: which parked actors a later train() may take (workers/driver/actors.py `warm_key`,
+pure), how a local Ray gives them their environment, and an agent host
+(workers/roles/agent_host.py)."""
 
 from __future__ import annotations
 

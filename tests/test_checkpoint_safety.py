@@ -1,7 +1,7 @@
 """Checkpoint folders we provably own, crash-safe commits, full disks, callable fingerprints.
 
 Everything here runs on real folders with real safetensors/torch files, through the real
-Checkpointer class (without Ray: `workers.driver.cluster` only wraps it in `ray.remote`).
+Checkpointer class (without Ray: `workers.ray_calls.start_actor` only wraps it in `ray.remote`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ K samples `{"token_ids": [...]}`. A request with `"logprobs": True` also gets `"
 the log-probs of the sampled tokens under the raw model distribution: training never reads
 them, so they are computed only when asked for (a log-softmax over the vocabulary per token).
 `load_weights(state_dict)` swaps in new weights without a restart.
-Engines live inside rollout-worker actors or agent hosts (workers/roles/agent_host.py), never in the
-driver: an in-process vLLM engine reseeds global RNGs and fixes the torch thread count of its
-host process (docs/architecture.md, "Measured facts").
+Engines live inside rollout-worker actors or agent hosts (workers/roles/agent_host.py), never in
+the driver: an in-process vLLM engine reseeds global RNGs and fixes the torch thread count of
+its host process (docs/architecture.md, "Measured facts").
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def imports_without_gc() -> Iterator[None]:
 
     The ~640k objects of vLLM's imports set off full collections over everything imported so
     far: a large share of an engine import's CPU time (BENCHMARKS.md), paid by every actor
-    at start on cores the other actors are starting on. The one collection after the block frees the
-    imports' own garbage (13k objects, 12 MB); frozen, the rest is skipped by later ones.
+    at start on cores the other actors are starting on. The one collection after the block
+    frees the imports' own garbage (13k objects, 12 MB); frozen, the rest is skipped by later ones.
     At exit they are unfrozen, so Python's last collection frees them as usual (frozen,
     triton's bindings reported themselves leaked). A block that imports nothing new (a warm
     learner's `reinit`, a host's learner after its engine) neither collects nor freezes: the
@@ -189,7 +189,7 @@ def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None,
         per_token = (2 * int(cfg["num_hidden_layers"])
                      * int(cfg.get("num_key_value_heads") or heads)
                      * int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-                     * _DTYPE_BYTES[_config_dtype(model_path) if dtype == "auto" else dtype])
+                     * _DTYPE_BYTES[config_dtype(model_path) if dtype == "auto" else dtype])
         length = int(max_model_len or cfg["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
         return CPU_KV_CACHE_CAP
@@ -222,7 +222,8 @@ class VLLMEngine:
         if threads:
             torch.set_num_threads(threads)
         kwargs: dict[str, Any] = dict(
-            model=model_path, dtype=_config_dtype(model_path) if dtype == "auto" else dtype, enforce_eager=enforce_eager, seed=seed,
+            model=model_path, dtype=config_dtype(model_path) if dtype == "auto" else dtype,
+            enforce_eager=enforce_eager, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
         )
         if max_model_len:
@@ -383,7 +384,7 @@ def check_loaded(model: Any, missing: list[str], unexpected: list[str], what: st
                          f"different architecture.")
 
 
-def _config_dtype(model_path: str) -> str:
+def config_dtype(model_path: str) -> str:
     """The dtype the model was saved in: vLLM's own 'auto' turns float32 into bfloat16 on CPU,
     and the engine must compute what the float32 learner computes."""
     try:

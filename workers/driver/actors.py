@@ -7,8 +7,8 @@ actors instead of killing them. The next `train()` whose actors would be built t
 architecture and tokenizer files, the log folder) takes them: its learners start over from
 its own models (`Learner.reinit`) or load its checkpoint, and those weights are pushed to the
 engines before any rollout, so it computes what fresh actors would. The seed example's resume
-so starts in about a second instead of importing vLLM and torch in five new processes
-(BENCHMARKS.md). Any other start drops them first: parked actors hold their Ray resources.
+so starts without importing vLLM and torch in five new processes (BENCHMARKS.md). Any other
+start drops them first: parked actors hold their Ray resources.
 """
 
 from __future__ import annotations
@@ -202,7 +202,8 @@ def use_folders(actors: Actors, folders: list[str]) -> None:
 def actor_needs(args: Any, plan: dict, num_agents: int, for_eval: bool) -> list:
     """(role, Placement) of every actor in placement-group bundle order: each agent's rollout
     workers, then one learner per agent (none for `for_eval`). With `colocate`, one host per
-    agent (its learner and worker 0, workers/roles/agent_host.py), then the agents' other workers."""
+    agent (its learner and worker 0, workers/roles/agent_host.py), then the agents' other
+    workers."""
     per_agent = args.rollout_workers_per_agent
     if "host" in plan and not for_eval:
         return [("host", plan["host"])] * num_agents + \

@@ -124,9 +124,9 @@ def stop_local_ray() -> None:
     """At exit, stop the local Ray this process started sooner than Ray's own hook, which
     sleeps for late actor output (ours goes to files), then stops its processes one by one:
     the autoscaler monitor, idle on a local Ray, answers SIGTERM by reporting to a GCS
-    already stopped and dies only at a SIGKILL a second later (BENCHMARKS.md, "exit s"). Killed first, it loses
-    nothing: the whole cluster stops next. (Its pid from Linux's /proc; elsewhere Ray's
-    shutdown stops it as before.)"""
+    already stopped and dies only at a SIGKILL a second later (BENCHMARKS.md, "exit s").
+    Killed first, it loses nothing: the whole cluster stops next. (Its pid from Linux's /proc;
+    elsewhere Ray's shutdown stops it as before.)"""
     import ray
 
     if not (_LOCAL_RAY and ray.is_initialized()):

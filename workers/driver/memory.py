@@ -1,5 +1,5 @@
-"""Memory: will the run fit, said before it starts, and a kill by Ray's memory monitor said
-in one sentence.
+"""Memory: will the run fit, said before it starts (a kill by Ray's memory monitor is said in
+one sentence by `workers.ray_calls.oom_sentence`).
 
 `estimate` adds up what a run holds at its fullest moment (an update), from the agents'
 parameter counts and the layout; `check_fits` refuses a run above the memory this machine
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.engines import _config_dtype, cpu_kv_cache_bytes
+from workers.engines import config_dtype, cpu_kv_cache_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -142,7 +142,7 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
     engine_gpu = plan["rollout"].num_gpus > 0 or "host" in plan and plan["host"].num_gpus > 0
     dtype = settings["engine_kwargs"]["dtype"]
     if dtype == "auto":
-        dtype = _config_dtype(folders[0]) if Path(folders[0]).is_dir() else "float32"
+        dtype = config_dtype(folders[0]) if Path(folders[0]).is_dir() else "float32"
     engine_bytes = DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
     colocated = "host" in plan
     engines = args.rollout_workers_per_agent

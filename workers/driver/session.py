@@ -1,9 +1,9 @@
 """Session: everything one `train()` (or `evaluate()`) call runs on Ray, started and stopped.
 
-It starts (or joins) Ray, places the actors (workers/driver/actors.py), connects the weight transport,
-restores a checkpoint, opens the driver's W&B run, and stops all of it, whatever happened. The
-loop calls its verbs: `generate`, `update_and_push`, `log_step`, `save_checkpoint`. The map of
-who owns what is docs/architecture.md."""
+It starts (or joins) Ray, places the actors (workers/driver/actors.py), connects the weight
+transport, restores a checkpoint, opens the driver's W&B run, and stops all of it, whatever
+happened. The loop calls its verbs: `generate`, `update_and_push`, `log_step`,
+`save_checkpoint`. The map of who owns what is docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ class Session:
         self.written: list[str] = []        # checkpoints this train() published
         self.wandb_info: dict | None = None  # the W&B run, for the closing summary
         self.actor_restarts = 0             # learner/checkpointer restarts (`heal`)
-        self.actor_key = ""                 # what shaped the actors (workers.driver.actors.warm_key)
+        self.actor_key = ""                 # what shaped the actors (actors.warm_key)
 
     @property
     def workers(self) -> list[list]:
@@ -402,7 +402,7 @@ class Session:
         record.weight_sync = time.perf_counter() - start
 
     def push_weights(self) -> None:
-        """Every learner's current weights to each of its agent's engines (`workers.transports.endpoints`);
+        """Every learner's current weights to each of its agent's engines (`workers/transports/`);
         a worker found dead is restarted, which gives it these same weights."""
         if self.trainer.args.enable_sleep_mode:      # engines wake (`sleep_engines`)
             self.pool.call_every_worker("wake")
@@ -432,11 +432,13 @@ class Session:
     def log_step(self, nodes: list[Node], record: StepRecord, extra: dict, step: int) -> None:
         """An update's training metrics at env_step `step` (every `logging_steps`) plus `extra`."""
         logging_steps = self.trainer.args.logging_steps
-        if self.progress.last_train_log >= 0 and step - self.progress.last_train_log < logging_steps:
+        last = self.progress.last_train_log
+        if last >= 0 and step - last < logging_steps:
             self.log(extra, step)
             return
         self.progress.last_train_log = step
-        self.log({**extra, **step_metrics(nodes, record, self.trainer.args, self.progress.epoch)}, step)
+        self.log({**extra, **step_metrics(nodes, record, self.trainer.args,
+                                          self.progress.epoch)}, step)
 
     # ---- checkpoints
 
@@ -449,7 +451,8 @@ class Session:
         ray_get([learner.save.remote(str(Path(staging) / f"agent_{a}"))
                  for a, learner in enumerate(self.learners)], "learners saving")
         metadata = {
-            **self.progress.to_metadata(self.trainer.env_step), "last_logged_step": self.wandb.last_step,
+            **self.progress.to_metadata(self.trainer.env_step),
+            "last_logged_step": self.wandb.last_step,
             "wandb_rows": self.wandb.rows,   # durable with the checkpoint (wandb_run.py)
             "policy_versions": list(self.engine_versions),
             "wandb": self.wandb.identity or {}, "run_uid": self.run_uid,
@@ -457,8 +460,9 @@ class Session:
         }
         # Ray runs the commit once every learner's `saved` (the files it wrote) is ready.
         writes = [learner.saved.remote() for learner in self.learners]
-        self.pending_checkpoint = (self.progress.epoch, writes,
-                                   self.checkpointer.commit.remote(self.progress.epoch, metadata, *writes))
+        epoch = self.progress.epoch
+        self.pending_checkpoint = (epoch, writes,
+                                   self.checkpointer.commit.remote(epoch, metadata, *writes))
 
     def _restore_progress(self, meta: dict) -> None:
         """Set the counters from checkpoint metadata ({}: a fresh start). The only place

@@ -5,9 +5,9 @@ that is two imports of torch and transformers per agent and a weight push throug
 store after every update. A host imports them once, and the push to its own engine becomes an
 in-process copy (`load_own_weights`). Further workers of the agent
 (`rollout_workers_per_agent` > 1) stay separate actors and get the weights through the object
-store (`workers.transports.object_store.ColocatedTransport`). The driver still sees one learner and one
-worker 0 per agent: both are this actor's handle, so generation, updates, checkpoints and
-resume are unchanged.
+store (`workers.transports.object_store.ColocatedTransport`). The driver still sees one learner
+and one worker 0 per agent: both are this actor's handle, so generation, updates, checkpoints
+and resume are unchanged.
 
 The engine is built first: vLLM reseeds the global RNGs and fixes torch's thread count while it
 starts. The learner then restores the RNG state the process began with (`Learner.__init__`),

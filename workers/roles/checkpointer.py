@@ -1,9 +1,9 @@
 """Checkpointer: stages checkpoint folders and publishes them atomically, off the driver's path.
 
-A plain class; `workers.driver.cluster` wraps it in `ray.remote`. Learners write their agent folders
-into the staging folder it hands out; `commit` then checksums, fsyncs and renames in the
-background while the driver goes on training. Every folder it creates carries the marker of
-its run (`run_uid`), and it deletes or prunes only folders with that marker.
+A plain class; `workers.ray_calls.start_actor` wraps it in `ray.remote`. Learners write their
+agent folders into the staging folder it hands out; `commit` then checksums, fsyncs and renames
+in the background while the driver goes on training. Every folder it creates carries the marker
+of its run (`run_uid`), and it deletes or prunes only folders with that marker.
 """
 
 from __future__ import annotations

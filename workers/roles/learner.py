@@ -1,7 +1,7 @@
 """Learner: one agent's Hugging Face model and AdamW, updated from group advantages.
 
-A plain class (unit-testable without Ray); `workers.driver.cluster` wraps it in `ray.remote`. One
-learner per agent, so agents train in parallel on separate cores or GPUs.
+A plain class (unit-testable without Ray); `workers.ray_calls.start_actor` wraps it in
+`ray.remote`. One learner per agent, so agents train in parallel on separate cores or GPUs.
 """
 
 from __future__ import annotations
@@ -347,8 +347,7 @@ def into_fresh_memory(model: Any, weights: dict) -> None:
     with the same names and shapes; anything else goes to a strict `load_state_dict`, which
     names the difference). `from_pretrained` maps the safetensors file copy-on-write, so
     writing into a loaded weight faults page by page, far slower than a fresh copy
-    (BENCHMARKS.md). Tied weights stay one tensor. Used on a CPU learner's weights at start
-    and on the user's models when the final weights come back (`pull_weights`)."""
+    (BENCHMARKS.md). Tied weights stay one tensor. Used on a CPU learner's weights at start."""
     import torch
 
     current = model.state_dict(keep_vars=True)
@@ -370,8 +369,9 @@ def _into_current(current: dict, saved: dict) -> dict:
     """`saved`, an optimizer state dict mapped from its file (torch.load(mmap=True)), with
     each tensor copied into the optimizer's `current` one of the same name and shape (a warm
     learner's, whose memory is already faulted in, several times faster than new memory for
-    the seed example's resume: BENCHMARKS.md), else into fresh memory. No tensor stays mapped: AdamW writes its state in place, and each page of
-    a private file mapping would fault and be copied on its first write."""
+    the seed example's resume: BENCHMARKS.md), else into fresh memory. No tensor stays
+    mapped: AdamW writes its state in place, and each page of a private file mapping would
+    fault and be copied on its first write."""
     import torch
 
     state = current.get("state", {})

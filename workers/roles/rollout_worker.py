@@ -1,9 +1,10 @@
 """Rollout worker: hosts one generation engine for one agent and tags outputs with a version.
 
-A plain class; `workers.driver.cluster` wraps it in `ray.remote`. Several workers may serve one agent:
-the driver splits a step's prompts across them, and per-request seeds make the samples the
-same whichever worker draws them. Weights arrive through `update_weights` (object store) or
-the receive methods of `workers.transports.endpoints.WorkerEndpoint` (broadcast, CUDA IPC).
+A plain class; `workers.ray_calls.start_actor` wraps it in `ray.remote`. Several workers may
+serve one agent: the driver splits a step's prompts across them, and per-request seeds make the
+samples the same whichever worker draws them. Weights arrive through `update_weights` (object
+store) or the receive methods of `workers.transports.endpoints.WorkerEndpoint` (broadcast, CUDA
+IPC).
 """
 
 from __future__ import annotations
