@@ -34,6 +34,10 @@ timestamps ((train + resume) / 4 epochs, starts included) where the history is u
 
     python benchmarks/bench_memory.py [--short] [--sizes 10M,76.6M,358M,0.5B]
                                       [--sides ours,comlrl] [--timeout 1500]
+                                      [--setting FIELD=VALUE ...]
+
+--setting adds a MAGRPOConfig field to our side's trainers (comlrl 1.4.3 has none of ours),
+e.g. --setting gradient_checkpointing=True --setting "engine_dtype='bfloat16'".
 """
 
 from __future__ import annotations
@@ -260,7 +264,7 @@ def outcome_of(code: int | None, timed_out: bool, text: str) -> str:
 
 
 def run_one(size: str, side: str, model: Path, params: int, timeout: float,
-            log_path: Path) -> dict:
+            log_path: Path, settings: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-memory-{side}-") as tmp:
         tmp = Path(tmp)
         env = {**os.environ, **bl.BENCH_ENV, "WANDB_DIR": str(tmp)}
@@ -273,6 +277,8 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
                "--phase-log", str(phase_log), "--out", str(tmp / "times.json"),
                "--checkpoint-dir", str(tmp / "checkpoints"),
                "--epochs", str(EPOCHS[0]), "--resume-epochs", str(EPOCHS[1])]
+        if side == "ours":
+            cmd += [arg for item in settings for arg in ("--setting", item)]
         idle = settle()
         others_idle = others_bytes({os.getpid()})
         start = time.time()
@@ -366,6 +372,8 @@ def main() -> None:
     p.add_argument("--sides", default="ours,comlrl", help="any of ours, comlrl")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run")
     p.add_argument("--from-json", metavar="FILE", help="print a results file's tables and exit")
+    p.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a MAGRPOConfig field for our side (a Python literal); repeatable")
     a = p.parse_args()
     if a.from_json:
         runs = json.loads(Path(a.from_json).read_text())["runs"]
@@ -392,17 +400,19 @@ def main() -> None:
     models = {s: bl.model_path(s) for s in sizes}
     params = {s: bl.param_count(models[s]) for s in sizes}
     tags = ["short" if a.short else "-".join(sizes) if sizes != DEFAULT_SIZES else "",
-            "-".join(sides) if sides != list(SIDES) and not a.short else ""]
+            "-".join(sides) if sides != list(SIDES) and not a.short else "",
+            "-".join(x.split("=")[0] for x in a.setting)]
     name = "_".join(["bench_memory", *(t for t in tags if t)])
     settings = {"sizes": sizes, "sides": sides, "params": params, "epochs": EPOCHS,
-                "agents": AGENTS, "interval_s": INTERVAL, "timeout_s": a.timeout}
+                "agents": AGENTS, "interval_s": INTERVAL, "timeout_s": a.timeout,
+                "our_settings": a.setting}
     runs: list[dict] = []
     for size in sizes:
         for side in sides:
             print(f"{size} ({params[size]:,} parameters) {side}: running", flush=True)
             with bl.ForeignCPU() as monitor:
                 run = run_one(size, side, models[size], params[size], a.timeout,
-                              logs / f"memory-{size}-{side}.log")
+                              logs / f"memory-{size}-{side}.log", a.setting)
             run["foreign_cpu"] = monitor.report()
             runs.append(run)
             print(f"\n## {size} {side}: {run['outcome']}, {run['wall_s']:.0f} s; "

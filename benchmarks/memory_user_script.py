@@ -17,6 +17,7 @@ wait_checkpoint -> "checkpoint", pull_weights -> "pull back". comlrl 1.4.3 has n
 
     python memory_user_script.py --model DIR --phase-log FILE --out times.json
                                  --checkpoint-dir D [--epochs 2] [--resume-epochs 4]
+                                 [--setting gradient_checkpointing=True ...]
 """
 
 import time
@@ -24,6 +25,7 @@ import time
 T_PROCESS = time.time()
 
 import argparse
+import ast
 import contextlib
 import functools
 import importlib.util
@@ -38,6 +40,8 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--checkpoint-dir", required=True)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--resume-epochs", type=int, default=4)
+parser.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a further MAGRPOConfig field (a Python literal), both trainers")
 cli = parser.parse_args()
 os.environ.setdefault("WANDB_MODE", "offline")
 
@@ -89,6 +93,7 @@ if Session is not None:
 T_IMPORTED = time.time()
 
 model_name = cli.model
+SETTINGS = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in cli.setting)}
 tokenizer = AutoTokenizer.from_pretrained(model_name)
 train_dataset = Dataset.from_dict({
     "prompt": [
@@ -113,6 +118,7 @@ def build_trainer(num_train_epochs, wandb_config, agents=None):
         num_generations=4,
         max_new_tokens=64,
         logging_steps=1,
+        **SETTINGS,
     )
     return MAGRPOTrainer(
         agents=agents or [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)],

@@ -39,7 +39,7 @@ RESUMABLE_FIELDS = frozenset({
     # comlrl's placement fields: where agents and reference copies live, never what they compute.
     "agent_devices", "parallel_training", "reference_devices",
     "weight_bucket_bytes", "skip_callable_fingerprints", "max_actor_restarts", "colocate",
-    "memory_check",
+    "memory_check", "gradient_checkpointing",
 })
 
 
@@ -161,6 +161,12 @@ class MAGRPOConfig:
     """Before any actor starts, estimate the memory the run needs on this machine (or GPU)
     from the agents' parameter counts and the layout, and refuse a run that will not fit,
     naming the settings that help (`workers/driver/memory.py`); False skips the check."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    from the forward (transformers' non-reentrant checkpointing): an update holds about one
+    layer's activations instead of all of them, for one more forward of compute. The values
+    are the same bit for bit on CPU (the forward is replayed exactly), so a run may resume with
+    it changed. comlrl 1.4.3 has no such setting."""
     weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bucket size of the bucketed broadcast / CUDA IPC weight transports (>= 1 MiB): weights
     travel in buckets of at most this many bytes. Replaces the environment variable
@@ -297,13 +303,16 @@ class MAGRPOConfig:
                                  f"{name[:-10]}_num_gpus, not as custom resources.")
 
     def _check_run_control_fields(self) -> None:
-        """Actor restarts, the memory check and the placement timeout."""
+        """Actor restarts, the memory check, gradient checkpointing and the placement timeout."""
         if isinstance(self.max_actor_restarts, bool) or not isinstance(
                 self.max_actor_restarts, int) or self.max_actor_restarts < 0:
             raise ValueError(f"max_actor_restarts must be an int >= 0 "
                              f"(got {self.max_actor_restarts!r}).")
         if not isinstance(self.memory_check, bool):
             raise ValueError(f"memory_check must be True or False (got {self.memory_check!r}).")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise ValueError(f"gradient_checkpointing must be True or False "
+                             f"(got {self.gradient_checkpointing!r}).")
         if not self.placement_timeout_s > 0:
             raise ValueError(
                 f"placement_timeout_s must be > 0 (got {self.placement_timeout_s!r}).")

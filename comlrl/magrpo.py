@@ -125,8 +125,12 @@ def token_logprobs(logits, input_ids):
     """
     import torch
 
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    # Over every position, then the last dropped: a slice before log_softmax would copy the
+    # [B, T, V] logits, and its backward pad another, each as large as the vocabulary makes
+    # them (151936 ids: the head's part of an update). Row by row the same bits either way.
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    following = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+    picked = logp.gather(-1, following.unsqueeze(-1)).squeeze(-1)[:, :-1]
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 

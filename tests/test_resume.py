@@ -188,6 +188,26 @@ def test_kill_9_in_epoch_3_then_resume_matches_straight_run(straight, tiny_model
     _same_weights(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
 
 
+def test_gradient_checkpointing_changes_no_value_and_may_change_on_resume(straight, tiny_model,
+                                                                         tmp_path):
+    """Epochs 1-2 with gradient_checkpointing=True, then a resume from checkpoint-2 without it
+    to 4 epochs: every logged value and the final weights are those of the uninterrupted
+    default run (`straight`), so the setting trades memory for compute only and a resume may
+    change it (RESUMABLE_FIELDS). comlrl 1.4.3 has no such setting (its MAGRPOConfig raises
+    TypeError "unexpected keyword argument 'gradient_checkpointing'")."""
+    ckpt = tmp_path / "ckpt"
+    env = _env(tmp_path / "wandb")
+    _run(_seed_cmd(tiny_model, ckpt, 2, None, "gradient_checkpointing=True"), env)
+    _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2"), env)
+    run_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
+    got = _by_step(wandb_history(tmp_path / "wandb", run_id))
+    want = _by_step(wandb_history(straight / "wandb"))
+    assert sorted(got) == sorted(want) == list(range(8, 65, 8))
+    for step in want:
+        assert got[step] == want[step], step
+    _same_weights(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
+
+
 def test_a_checkpoint_resumes_in_the_split_layout_and_its_warm_actors_start_over(
         straight, tiny_model, tmp_path):
     """A copy of the straight run's checkpoint-2 (the default layout, colocated here)

@@ -84,6 +84,7 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
                          loss_aggregation=args.loss_aggregation,
                          advantage_mode=args.advantage_mode,
                          advantage_normalization=args.advantage_normalization,
+                         gradient_checkpointing=args.gradient_checkpointing,
                          reference_kl_coef=(args.reference_kl_coef
                                             if args.reference_kl_enabled else None),
                          device=args.learner_device_for(a, trainer.num_agents),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from comlrl.rollout import longest_sequence
 from workers.engines import config_dtype, cpu_kv_cache_bytes
 
 GB = 1e9
@@ -25,7 +26,28 @@ DRIVER_BYTES = int(1.0 * GB)
 """The driver and Ray's own processes (GCS, raylet, dashboard agent, checkpointer)."""
 ACTIVATION_FRACTION = 0.75
 """Activations and allocator slack of an update, as bytes per parameter (a learner's
-weights + AdamW: 12); measured 0.5-1.0 on the seed example's 64-token completions."""
+weights + AdamW: 12), where the run's tokens per mini-batch are not known at start."""
+
+
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+"""What `update_activation_bytes` reads of a model's config."""
+
+
+def update_activation_bytes(config: object, tokens: int, checkpointed: bool) -> int:
+    """What one mini-batch of `tokens` (padded) tokens holds in an update, from the model's
+    shape (a decoder-only transformers config): every decoder layer's saved activations, or
+    with gradient checkpointing each layer's input and one layer recomputed at a time, plus
+    four [tokens, vocabulary] tensors of the head (logits, log-softmax, their gradients).
+    The head's part measured at the real 0.5B vocabulary (151936), 2048 tokens with
+    checkpointing: 6.73 GB, estimate 6.64. Calibrated at 358M on the seed
+    example's mini-batch (8 x 76 tokens): 1.87 GB estimated against 1.82 measured without
+    checkpointing, 0.50 against 0.45 with it (BENCHMARKS.md section 7); checked by
+    tests/test_learner_memory.py on a 16-layer model."""
+    hidden = config.hidden_size
+    per_layer = 4 * (14 * hidden + 4 * config.intermediate_size)   # fp32 bytes per token
+    layers = config.num_hidden_layers
+    kept = layers * 2 * 4 * hidden + 5 * per_layer if checkpointed else layers * per_layer
+    return int(tokens * (kept + 4 * 4 * config.vocab_size))
 
 
 @dataclass
@@ -38,12 +60,14 @@ class Estimate:
 def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
              engine_bytes_per_param: int, reference: bool, kv_cache_bytes: int = 0,
              learner_on_gpu: bool = False, engines_on_gpu: bool = False,
-             user_bytes_per_param: int = 4) -> Estimate:
+             user_bytes_per_param: int = 4,
+             activation_bytes: list[int] | None = None) -> Estimate:
     """Bytes in use at a run's fullest moment on the machine's memory (CPU side).
 
     Per agent: the learner's fp32 weights (4 bytes per parameter) and AdamW's two moments (8;
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference
-    copy (4) with reference KL, activations; each engine's weights in its dtype plus its
+    copy (4) with reference KL, activations (`activation_bytes` per agent, from
+    `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in its dtype plus its
     KV cache; one process per learner and per engine (one per agent when colocated, for the
     first engine). The user's own models are file-mapped until the final weights come back
     into new memory of theirs (`user_bytes_per_param`, their dtype) while the learners and
@@ -52,7 +76,8 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     total_params = sum(params)
     if not learner_on_gpu:
         parts["learner weights + AdamW"] = 12 * total_params
-        parts["activations"] = int(ACTIVATION_FRACTION * 12 * total_params)
+        parts["activations"] = (sum(activation_bytes) if activation_bytes is not None
+                                else int(ACTIVATION_FRACTION * 12 * total_params))
         if reference:
             parts["reference models"] = 4 * total_params
     if not engines_on_gpu:
@@ -83,12 +108,16 @@ def available_bytes() -> int | None:
 
 
 def advice(colocated: bool, engine_bytes_per_param: int, engines_per_agent: int,
-           reference: bool) -> list[str]:
-    """The settings that lower the estimate, in the order they help most."""
+           reference: bool, checkpointing_saves: int = 0) -> list[str]:
+    """The settings that lower the estimate, in the order they help most
+    (`checkpointing_saves`: the bytes gradient_checkpointing=True would take off; 0: none)."""
     out = []
     if engine_bytes_per_param > 2:
         out.append("engine_dtype='bfloat16' (engine weights 2 bytes per parameter instead "
                    f"of {engine_bytes_per_param})")
+    if checkpointing_saves > 0:
+        out.append(f"gradient_checkpointing=True (about {checkpointing_saves / GB:.1f} GB less "
+                   f"in an update, the same values, one more forward of compute)")
     if engines_per_agent > 1:
         out.append(f"rollout_workers_per_agent=1 (now {engines_per_agent}: one engine copy of "
                    f"each model per worker)")
@@ -162,9 +191,19 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
         folders[0], kw["dtype"], kw["max_model_len"], kw["kv_cache_sequences"],
         kw["kv_cache_tokens"])
     user_bytes = 0 if checkpointing else max(p.element_size() for p in models[0].parameters())
+    # The update's working memory from the run's mini-batch where its longest sequence is
+    # known at start (single-turn runs) and the config gives the shape; else the share.
+    longest = kw["kv_cache_tokens"] or longest_sequence(trainer)
+    activations, saves = None, 0
+    if longest and all(hasattr(m.config, f) for m in models for f in SHAPE_FIELDS):
+        tokens = args.train_batch_size * args.num_generations * longest
+        activations = [update_activation_bytes(m.config, tokens, args.gradient_checkpointing)
+                       for m in models]
+        saves = sum(activations) - sum(update_activation_bytes(m.config, tokens, True)
+                                       for m in models)
     need = estimate(params, colocated=colocated, engines_per_agent=engines,
                     engine_bytes_per_param=engine_bytes, reference=reference,
                     kv_cache_bytes=kv, engines_on_gpu=engine_gpu,
-                    user_bytes_per_param=user_bytes)
+                    user_bytes_per_param=user_bytes, activation_bytes=activations)
     check_fits(need, available_bytes(), num_agents=len(params), params=params,
-               tips=advice(colocated, engine_bytes, engines, reference))
+               tips=advice(colocated, engine_bytes, engines, reference, saves))

@@ -30,8 +30,8 @@ class Learner:
     def __init__(self, agent_index: int, model_source: str | dict, *, learning_rate: float,
                  train_batch_size: int, loss_aggregation: str = "sequence",
                  advantage_mode: str = "mean", advantage_normalization: bool = True,
-                 reference_kl_coef: float | None = None, device: str = "auto",
-                 threads: int | None = None):
+                 reference_kl_coef: float | None = None, gradient_checkpointing: bool = False,
+                 device: str = "auto", threads: int | None = None):
         with imports_without_gc():
             import torch
             import transformers  # noqa: F401  (its long import, with the collector off)
@@ -63,6 +63,11 @@ class Learner:
                 # fresh memory is block-aligned for the checkpoint writes (huge-page aligned
                 # in an actor, `THP_MEM_ALLOC_ENABLE`).
                 into_fresh_memory(self.model, self.model.state_dict())
+            if gradient_checkpointing:
+                # Non-reentrant, torch's recommended form (the reentrant one needs an input
+                # that requires grad, and transformers hooks the embeddings to make one).
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
             if reference_kl_coef is not None:
                 self.reference = load_causal_lm(path, dtype=torch.float32)
                 self.reference.to(device).eval().requires_grad_(False)
@@ -132,6 +137,7 @@ class Learner:
             logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
             loss = policy_loss(token_logprobs(logits, ids), target, adv,
                                [len(g["completions"]) for g in batch], self.loss_aggregation)
+            del logits            # backward needs only log_softmax's output, not the head's
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"agent {self.agent_index}: loss is {loss.item()} (not finite); lower "
