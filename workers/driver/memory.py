@@ -38,11 +38,10 @@ def update_activation_bytes(config: object, tokens: int, checkpointed: bool) -> 
     shape (a decoder-only transformers config): every decoder layer's saved activations, or
     with gradient checkpointing each layer's input and one layer recomputed at a time, plus
     four [tokens, vocabulary] tensors of the head (logits, log-softmax, their gradients).
-    The head's part measured at the real 0.5B vocabulary (151936), 2048 tokens with
-    checkpointing: 6.73 GB, estimate 6.64. Calibrated at 358M on the seed
-    example's mini-batch (8 x 76 tokens): 1.87 GB estimated against 1.82 measured without
-    checkpointing, 0.50 against 0.45 with it (BENCHMARKS.md section 7); checked by
-    tests/test_learner_memory.py on a 16-layer model."""
+    Calibrated (BENCHMARKS.md section 7) at 358M on the seed example's mini-batch (8 x 76
+    tokens): 1.87 GB estimated against 1.82 measured without checkpointing, 0.50 against
+    0.45 with it; the head at the real 0.5B vocabulary (151936), 2048 tokens with
+    checkpointing: 6.64 against 6.73. Checked by tests/test_learner_memory.py."""
     hidden = config.hidden_size
     per_layer = 4 * (14 * hidden + 4 * config.intermediate_size)   # fp32 bytes per token
     layers = config.num_hidden_layers
@@ -67,8 +66,8 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     Per agent: the learner's fp32 weights (4 bytes per parameter) and AdamW's two moments (8;
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference
     copy (4) with reference KL, activations (`activation_bytes` per agent, from
-    `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in its dtype plus its
-    KV cache; one process per learner and per engine (one per agent when colocated, for the
+    `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in
+    its dtype plus its KV cache; one process per learner and per engine (one per agent when colocated, for the
     first engine). The user's own models are file-mapped until the final weights come back
     into new memory of theirs (`user_bytes_per_param`, their dtype) while the learners and
     engines still hold theirs: measured at 358M, that hand-back was the run's peak."""
