@@ -67,8 +67,8 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference
     copy (4) with reference KL, activations (`activation_bytes` per agent, from
     `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in
-    its dtype plus its KV cache; one process per learner and per engine (one per agent when colocated, for the
-    first engine). The user's own models are file-mapped until the final weights come back
+    its dtype plus its KV cache; one process per learner and per engine (one per agent when
+    colocated, for the first engine). The user's own models are file-mapped until the final weights come back
     into new memory of theirs (`user_bytes_per_param`, their dtype) while the learners and
     engines still hold theirs: measured at 358M, that hand-back was the run's peak."""
     parts: dict[str, int] = {}
