@@ -64,13 +64,14 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     """Bytes in use at a run's fullest moment on the machine's memory (CPU side).
 
     Per agent: the learner's fp32 weights (4 bytes per parameter) and AdamW's two moments (8;
-    gradients live one parameter at a time, workers/learner.step_in_backward), a reference
-    copy (4) with reference KL, activations (`activation_bytes` per agent, from
+    gradients live one parameter at a time, workers/learner.step_in_backward), a reference copy
+    (4) with reference KL, activations (`activation_bytes` per agent, from
     `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in
     its dtype plus its KV cache; one process per learner and per engine (one per agent when
-    colocated, for the first engine). The user's own models are file-mapped until the final weights come back
-    into new memory of theirs (`user_bytes_per_param`, their dtype) while the learners and
-    engines still hold theirs: measured at 358M, that hand-back was the run's peak."""
+    colocated, for the first engine). The user's own models are file-mapped until the final
+    weights come back into new memory of theirs (`user_bytes_per_param`, their dtype) while the
+    learners and engines still hold theirs: measured at 358M, that hand-back was the run's
+    peak."""
     parts: dict[str, int] = {}
     total_params = sum(params)
     if not learner_on_gpu:
