@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from comlrl.checkpoint import CheckpointError
 from comlrl.digests import file_sha256
+from comlrl.lora import ADAPTER_CONFIG, ADAPTER_FOLDER
 
 # The callables fingerprinted by the trainer; skip_callable_fingerprints ignores these keys.
 CALLABLE_FINGERPRINT_KEYS = frozenset(
@@ -287,12 +288,16 @@ def fingerprint_rows(rows: Sequence[dict] | None) -> str | None:
 
 
 def fingerprint_model_folder(folder: str | os.PathLike) -> str:
-    """Hash of a saved model's config and weight files (what from_pretrained would load)."""
+    """Hash of a saved model's config and weight files (what from_pretrained would load),
+    and of a LoRA agent's adapter subfolder (comlrl.lora.ADAPTER_FOLDER) if it has one."""
     h = hashlib.sha256()
     d = Path(folder)
-    for f in sorted(d.iterdir()):
-        if f.suffix == ".safetensors" or f.name == "config.json":
-            h.update(f.name.encode())
+    files = sorted(d.iterdir())
+    if (d / ADAPTER_FOLDER).is_dir():
+        files += sorted((d / ADAPTER_FOLDER).iterdir())
+    for f in files:
+        if f.suffix == ".safetensors" or f.name in ("config.json", ADAPTER_CONFIG):
+            h.update(str(f.relative_to(d)).encode())
             h.update(file_sha256(f).encode())
     return h.hexdigest()[:16]
 
@@ -322,7 +327,11 @@ def compare_fingerprints(saved: dict, current: dict, resumable: frozenset,
         if key == "config" or (skip_callables and key in CALLABLE_FINGERPRINT_KEYS):
             continue
         a, b = saved.get(key), current.get(key)
-        if a != b:
+        if isinstance(a, dict) and isinstance(b, dict):      # e.g. peft_config.<field>
+            problems += [f"{key}.{sub}: checkpoint has {a.get(sub)!r}, this run has "
+                         f"{b.get(sub)!r}" for sub in sorted(set(a) | set(b))
+                         if a.get(sub) != b.get(sub)]
+        elif a != b:
             problems.append(f"{key}: checkpoint has {a!r}, this run has {b!r}")
             callables_differ |= key in CALLABLE_FINGERPRINT_KEYS
     if problems:

@@ -34,12 +34,15 @@ def load_causal_lm(source: Any, **kwargs: Any) -> Any:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
 
 
-def load_once(owner: Any, attribute: str, sources: list, model_config: dict | None) -> list:
-    """`owner.<attribute>`, loading it from `sources` first if it is None. Callers in
-    several threads get the same models: the check and the load happen under the lock, so
-    no model is loaded twice (two copies of every weight in memory)."""
+def load_once(owner: Any, attribute: str, sources: list, model_config: dict | None,
+              prepare: Any = None) -> list:
+    """`owner.<attribute>`, loading it from `sources` first if it is None (and passing the
+    loaded list through `prepare`, e.g. into LoRA agents). Callers in several threads get
+    the same models: the check and the load happen under the lock, so no model is loaded
+    twice (two copies of every weight in memory)."""
     with _LOAD_LOCK:
         if getattr(owner, attribute) is None:
             kwargs = load_kwargs(model_config)
-            setattr(owner, attribute, [load_causal_lm(s, **kwargs) for s in sources])
+            models = [load_causal_lm(s, **kwargs) for s in sources]
+            setattr(owner, attribute, prepare(models) if prepare else models)
         return getattr(owner, attribute)

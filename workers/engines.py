@@ -17,7 +17,9 @@ import gc
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +27,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from comlrl.loading import load_causal_lm
+from comlrl.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_folder,
+    adapter_rank,
+    load_adapter_state,
+)
 
 # Set before vLLM is imported in an engine's process; no outside server is ever contacted.
 ENGINE_ENV = {
@@ -97,7 +106,13 @@ class HFEngine:
         if threads:
             torch.set_num_threads(threads)
         kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
-        self.model = load_causal_lm(model_path, **kwargs).to(device).eval()
+        self.model = load_causal_lm(model_path, **kwargs)
+        self.lora = adapter_folder(model_path) is not None   # a LoRA agent: the base + adapter
+        if self.lora:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, str(adapter_folder(model_path)))
+        self.model = self.model.to(device).eval()
         self.device = device
         self.sampling = sampling
         gen = self.model.generation_config
@@ -144,6 +159,10 @@ class HFEngine:
     def load_weights(self, state_dict: dict) -> None:
         import torch
 
+        if self.lora:
+            with torch.no_grad():
+                load_adapter_state(self.model, state_dict, "the new adapter of this engine")
+            return
         with torch.no_grad():
             result = self.model.load_state_dict(state_dict, strict=False)
         check_loaded(self.model, result.missing_keys, result.unexpected_keys,
@@ -228,6 +247,13 @@ class VLLMEngine:
         )
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        adapter = adapter_folder(model_path)
+        if adapter is not None:
+            # A LoRA agent: vLLM serves the frozen base and the agent's adapter on top of it.
+            # vLLM allows a few ranks only; the adapter's own rank is kept within the slot.
+            rank = adapter_rank(adapter)
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(
+                r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512, rank) if r >= rank))
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = enable_sleep_mode
@@ -240,6 +266,7 @@ class VLLMEngine:
             # tokens; comlrl 1.4.3 trains them). Whole prompts per step, then.
             kwargs["enable_chunked_prefill"] = False
         self.llm = LLM(**kwargs)
+        self.adapters = AdapterFiles(adapter) if adapter is not None else None
         self.threads = torch.get_num_threads()
         """The engine's OpenMP thread count, fixed by vLLM while it started."""
         self.sampling = sampling
@@ -264,7 +291,7 @@ class VLLMEngine:
         params = [self._params(int(r["n"]), int(r["seed"]),
                                **({"logprobs": 0} if r.get("logprobs") else {}))
                   for r in requests]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter())
         results = []
         for out in outs:
             samples = []
@@ -285,6 +312,9 @@ class VLLMEngine:
         a repeated prompt would reuse KV computed with the old weights.
         """
         self._ready()
+        if self.adapters is not None:
+            self._load_adapter(state_dict)
+            return
         weights = list(state_dict.items())
 
         def _reload(worker):
@@ -307,11 +337,29 @@ class VLLMEngine:
                 f"are drawn partly from stale weights. The pushed state dict does not match "
                 f"the engine's model (names or shapes).")
 
+    def _adapter(self) -> Any:
+        """The LoRARequest of the adapter the engine serves now (None: a full-weight agent)."""
+        if self.adapters is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"adapter-{self.adapters.version}", self.adapters.version,
+                           self.adapters.path)
+
+    def _load_adapter(self, state_dict: dict) -> None:
+        """A LoRA agent's push: the new adapter into a new folder under a new id, the old
+        one removed from the engine (vLLM loads an adapter by path at its first request)."""
+        old = self.adapters.version
+        self.adapters.write(state_dict)
+        self.llm.llm_engine.remove_lora(old)
+        self.llm.reset_prefix_cache()
+
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of every token of `token_ids` given the ones before (first token: 0)."""
         self._ready()
         params = self._params(1, 0, max_tokens=1, prompt_logprobs=0)
-        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
+        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False,
+                                lora_request=self._adapter())
         plp = out[0].prompt_logprobs
         return [0.0] + [step[t].logprob for step, t in zip(plp[1:], token_ids[1:])]
 
@@ -340,6 +388,37 @@ class VLLMEngine:
         if engine_core is not None:
             engine_core.shutdown()
         self.llm = None
+        if self.adapters is not None:
+            self.adapters.remove()
+
+
+class AdapterFiles:
+    """The folder a vLLM engine loads its LoRA adapter from: one subfolder per version (an
+    id vLLM has not seen is loaded fresh), on tmpfs where there is one, the previous version
+    removed once the next is written. The model folder the engine started from may be gone
+    by the first request (an actor's packed copy), so the adapter is copied here at start."""
+
+    def __init__(self, source: Path):
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.root = Path(tempfile.mkdtemp(prefix="comlrl-adapter-", dir=shm))
+        self.config = (source / ADAPTER_CONFIG).read_bytes()
+        self.version = 1
+        self.path = str(self.root / "1")
+        shutil.copytree(source, self.path)
+
+    def write(self, state_dict: dict) -> None:
+        from safetensors.torch import save_file
+
+        folder = self.root / str(self.version + 1)
+        folder.mkdir()
+        (folder / ADAPTER_CONFIG).write_bytes(self.config)
+        save_file({k: v.detach().contiguous() for k, v in state_dict.items()},
+                  str(folder / ADAPTER_WEIGHTS), {"format": "pt"})
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.version, self.path = self.version + 1, str(folder)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

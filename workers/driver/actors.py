@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from comlrl.lora import ADAPTER_CONFIG, adapter_folder, is_peft_model, save_lora_folder
 from comlrl.rollout import longest_sequence, sequences_per_call
 from workers.console import quiet_progress_bars
 from workers.driver.cluster import WARM_ACTORS
@@ -101,7 +102,9 @@ def model_shape(folder: str) -> str:
     """A digest of a model folder without its weights: config, generation config, tokenizer.
     Actors built from folders with equal shapes differ only in weights, which are pushed."""
     digest = hashlib.sha256()
-    for path in sorted(Path(folder).iterdir()):
+    adapter = adapter_folder(folder)    # a LoRA agent's engines are built for its adapter
+    files = sorted(Path(folder).iterdir()) + ([adapter / ADAPTER_CONFIG] if adapter else [])
+    for path in files:
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
@@ -170,11 +173,19 @@ def save_models(trainer: Any, folder: str, show_progress: bool) -> tuple[list[st
         models = trainer._initial_models()     # models given by name are loaded here
         folders = [str(Path(folder) / f"agent_{i}") for i in range(len(models))]
         with ThreadPoolExecutor(len(models)) as pool:
-            list(pool.map(lambda m, f: m.save_pretrained(f, safe_serialization=True), models,
-                          folders))
+            list(pool.map(save_model_folder, models, folders))
         for tok, f in zip(trainer.tokenizers, folders):
             tok.save_pretrained(f)
     return folders, trainer.fingerprints(folders)
+
+
+def save_model_folder(model: Any, folder: str) -> None:
+    """What an actor loads an agent from: a `from_pretrained` folder, or a LoRA agent's
+    base plus its adapter (`comlrl.lora.save_lora_folder`)."""
+    if is_peft_model(model):
+        save_lora_folder(model, folder)
+    else:
+        model.save_pretrained(folder, safe_serialization=True)
 
 
 def model_sources(folders: list[str], local: bool) -> list:

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from comlrl.lora import is_peft_model, load_adapter_state
 from workers.ray_calls import ray_get
 from workers.transports.buckets import plan_layout, unpack_weights
 
@@ -39,6 +40,10 @@ def pull_weights(learners: list, models: list, bucket_bytes: int | None = None) 
     here = ray.get_runtime_context().get_node_id()
     for agent, (learner, model) in enumerate(zip(learners, models)):
         what = f"learner of agent {agent}"
+        if is_peft_model(model):      # a LoRA agent: its adapter alone, a few MB
+            load_adapter_state(model, unpack_weights(ray_get(learner.export_weights.remote(),
+                                                             what), copy=False), what)
+            continue
         current = model.state_dict(keep_vars=True)
         theirs = ray_get(learner.transport_layout.remote(bucket_bytes), what)
         if dict(zip(theirs["names"], map(list, theirs["shapes"]))) != \

@@ -60,12 +60,14 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
              engine_bytes_per_param: int, reference: bool, kv_cache_bytes: int = 0,
              learner_on_gpu: bool = False, engines_on_gpu: bool = False,
              user_bytes_per_param: int = 4,
-             activation_bytes: list[int] | None = None) -> Estimate:
+             activation_bytes: list[int] | None = None,
+             trainable: list[int] | None = None) -> Estimate:
     """Bytes in use at a run's fullest moment on the machine's memory (CPU side).
 
     Per agent: the learner's fp32 weights (4 bytes per parameter) and AdamW's two moments (8;
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference copy
-    (4) with reference KL, activations (`activation_bytes` per agent, from
+    (4) with reference KL; a LoRA agent's AdamW holds only its `trainable` parameters' moments
+    (its frozen base: 4 bytes per parameter); activations (`activation_bytes` per agent, from
     `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in
     its dtype plus its KV cache; one process per learner and per engine (one per agent when
     colocated, for the first engine). The user's own models are file-mapped until the final
@@ -75,7 +77,8 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     parts: dict[str, int] = {}
     total_params = sum(params)
     if not learner_on_gpu:
-        parts["learner weights + AdamW"] = 12 * total_params
+        parts["learner weights + AdamW"] = 4 * total_params + 8 * sum(
+            params if trainable is None else trainable)
         parts["activations"] = (sum(activation_bytes) if activation_bytes is not None
                                 else int(ACTIVATION_FRACTION * 12 * total_params))
         if reference:
@@ -166,6 +169,7 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
     args = trainer.args
     models = trainer._initial_models()
     params = [sum(p.numel() for p in m.parameters()) for m in models]
+    trainable = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in models]
     reference = bool(getattr(args, "reference_kl_enabled", False))
     learner_gpu = plan["learner"].num_gpus > 0 or "host" in plan and plan["host"].num_gpus > 0
     engine_gpu = plan["rollout"].num_gpus > 0 or "host" in plan and plan["host"].num_gpus > 0
@@ -204,6 +208,7 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
     need = estimate(params, colocated=colocated, engines_per_agent=engines,
                     engine_bytes_per_param=engine_bytes, reference=reference,
                     kv_cache_bytes=kv, engines_on_gpu=engine_gpu,
-                    user_bytes_per_param=user_bytes, activation_bytes=activations)
+                    user_bytes_per_param=user_bytes, activation_bytes=activations,
+                    trainable=trainable)
     check_fits(need, available_bytes(), num_agents=len(params), params=params,
                tips=advice(colocated, engine_bytes, engines, reference, saves))

@@ -57,5 +57,5 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         """The push to this host's engine: the learner's tensors, copied into the engine in
         this process (no serialization, no object store). Returns the seconds it took."""
         start = time.perf_counter()
-        self._load(version, {k: v.detach() for k, v in self.model.state_dict().items()})
+        self._load(version, {k: v.detach() for k, v in self.push_state().items()})
         return time.perf_counter() - start

@@ -12,8 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from comlrl.loading import load_causal_lm
+from comlrl.lora import (
+    ADAPTER_FOLDER,
+    ADAPTER_WEIGHTS,
+    adapter_folder,
+    adapter_state_dict,
+    load_adapter_state,
+    write_adapter_config,
+)
 from comlrl.magrpo import compute_advantages, pad_batch, policy_loss, token_logprobs
-from workers.checkpoint_write import safetensors_hashed, torch_save_hashed
+from workers.checkpoint_write import (
+    safetensors_hashed,
+    safetensors_save_hashed,
+    torch_save_hashed,
+)
 from workers.engines import check_loaded, imports_without_gc
 from workers.model_source import model_folder
 
@@ -55,13 +67,16 @@ class Learner:
         self.reference_kl_coef = reference_kl_coef
         self.reference = None
         with model_folder(model_source) as path:      # all of it is loaded in this block
-            self.model = load_causal_lm(path, dtype=torch.float32)
+            adapter = adapter_folder(path)
+            self.lora = adapter is not None     # only its adapter trains (comlrl/lora.py)
+            self.model = load_agent_model(path, adapter, trainable=True)
             self.model.to(device).train()
-            if device == "cpu":
+            if device == "cpu" and not self.lora:
                 # The weights are the file mapped copy-on-write: the first AdamW step would
                 # fault them in 4 KB at a time (a copy is far cheaper, BENCHMARKS.md), and
                 # fresh memory is block-aligned for the checkpoint writes (huge-page aligned
-                # in an actor, `THP_MEM_ALLOC_ENABLE`).
+                # in an actor, `THP_MEM_ALLOC_ENABLE`). A LoRA agent's base is never
+                # written: it stays mapped, and its adapter is loaded into new memory.
                 into_fresh_memory(self.model, self.model.state_dict())
             if gradient_checkpointing:
                 # Non-reentrant, torch's recommended form (the reentrant one needs an input
@@ -69,14 +84,15 @@ class Learner:
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
             if reference_kl_coef is not None:
-                self.reference = load_causal_lm(path, dtype=torch.float32)
+                self.reference = load_agent_model(path, adapter, trainable=False)
                 self.reference.to(device).eval().requires_grad_(False)
             folder = Path(path)
             self.tokenizer_files = {  # kept to write beside the weights in every checkpoint
                 f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and
                 f.name.startswith(TOKENIZER_FILES)} if folder.is_dir() else {}
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
-                                           weight_decay=0.01)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=learning_rate,
+            weight_decay=0.01)
         step_in_backward(self.optimizer)
         gen = self.model.generation_config
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
@@ -184,11 +200,16 @@ class Learner:
                     seq_kl = seq_kl[len(g["completions"]):]
         return out
 
+    def push_state(self) -> dict:
+        """What the engines, checkpoints and the hand-back get of this agent: the model's
+        state dict, or a LoRA agent's adapter weights alone (PEFT's saved names)."""
+        return adapter_state_dict(self.model) if self.lora else self.model.state_dict()
+
     def get_weights(self) -> dict:
         """CPU tensors for the engines. No copy of CPU tensors here: Ray serializes the return
         value into the object store before this actor runs its next call (the next update),
         so that is the one copy the push needs."""
-        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu") for k, v in self.push_state().items()}
 
     def get_version(self) -> int:
         return self.version
@@ -210,7 +231,7 @@ class Learner:
         copy = _cpu_copy if self.device != "cpu" else (lambda state: state)
         shared: dict = {}                 # tied weights stay one tensor (save_pretrained)
         weights = {k: shared.setdefault((v.data_ptr(), v.shape), copy(v.detach()))
-                   for k, v in self.model.state_dict().items()}
+                   for k, v in self.push_state().items()}
         snapshot = (weights, copy(self.optimizer.state_dict()),
                     {"torch": torch.random.get_rng_state(), "python": random.getstate(),
                      "version": self.version})
@@ -227,8 +248,14 @@ class Learner:
             # and hashed on the way, so the checkpointer records these digests instead of
             # reading the files back; the writes also leave the GIL to a colocated engine.
             digests: dict[str, str] = {}
-            with safetensors_hashed(digests):
-                self.model.save_pretrained(out, state_dict=weights, safe_serialization=True)
+            if self.lora:                 # PEFT's adapter folder: config and weights
+                write_adapter_config(self.model.peft_config["default"], out)
+                digests[ADAPTER_WEIGHTS] = safetensors_save_hashed(
+                    weights, str(out / ADAPTER_WEIGHTS), {"format": "pt"})
+            else:
+                with safetensors_hashed(digests):
+                    self.model.save_pretrained(out, state_dict=weights,
+                                               safe_serialization=True)
             for name, data in self.tokenizer_files.items():
                 # Tokenizer files travel with the weights so the folder loads on its own.
                 (out / name).write_bytes(data)
@@ -289,13 +316,20 @@ class Learner:
         self._wait_write()
         self.on_disk = None
         src = Path(folder)
-        state: dict[str, Any] = {}
-        for f in sorted(src.glob("*.safetensors")):
-            state.update(load_file(str(f)))
-
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        check_loaded(self.model, missing, unexpected,
-                     f"checkpoint {src} (agent {self.agent_index})")
+        what = f"checkpoint {src} (agent {self.agent_index})"
+        if self.lora:
+            # A checkpoint's adapter, or that of a manual save's initial state (its models'
+            # folders, workers/driver/actors.save_model_folder).
+            file = src / ADAPTER_WEIGHTS
+            if not file.is_file():
+                file = src / ADAPTER_FOLDER / ADAPTER_WEIGHTS
+            load_adapter_state(self.model, load_file(str(file)), what)
+        else:
+            state: dict[str, Any] = {}
+            for f in sorted(src.glob("*.safetensors")):
+                state.update(load_file(str(f)))
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            check_loaded(self.model, missing, unexpected, what)
         saved = torch.load(src / OPTIMIZER_FILE, weights_only=False, mmap=True)
         self.optimizer.load_state_dict(_into_current(self.optimizer.state_dict(), saved))
         self.version = self._load_rng(src)
@@ -310,6 +344,19 @@ class Learner:
         torch.random.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         return int(rng["version"])
+
+
+def load_agent_model(path: str, adapter: Path | None, trainable: bool) -> Any:
+    """The fp32 model of a folder, with its LoRA adapter on top if `adapter` is its adapter
+    subfolder (only the adapter's weights then require grad when `trainable`)."""
+    import torch
+
+    model = load_causal_lm(path, dtype=torch.float32)
+    if adapter is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
 
 
 def step_in_backward(optimizer: Any) -> None:

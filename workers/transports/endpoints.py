@@ -56,7 +56,7 @@ def _broadcast(group: Any, tensor: Any) -> None:
 
 
 class LearnerEndpoint:
-    """Sender half, mixed into the learner class (which holds `self.model`)."""
+    """Sender half, mixed into the learner class (whose `push_state()` is what it sends)."""
 
     _tx_store = None
     _tx_group = None
@@ -68,7 +68,7 @@ class LearnerEndpoint:
     def export_weights(self, names: list[str] | None = None) -> dict:
         """This learner's weights for the object store (`pack_weights`): all of them, or
         those of `names` (one bucket of the pull back at the end of train())."""
-        state = self.model.state_dict()
+        state = self.push_state()
         if names is not None:
             missing = [n for n in names if n not in state]
             if missing:
@@ -83,7 +83,7 @@ class LearnerEndpoint:
         returns the bytes written."""
         import torch
 
-        state = self.model.state_dict()
+        state = self.push_state()
         written = 0
         with open(path, "wb") as f:
             for name in names:
@@ -93,7 +93,7 @@ class LearnerEndpoint:
 
     def transport_layout(self, bucket_bytes: int) -> dict:
         params = [(k, list(v.shape), str(v.dtype).split(".")[-1])
-                  for k, v in self.model.state_dict().items()]
+                  for k, v in self.push_state().items()]
         return plan_layout(params, bucket_bytes)
 
     def transport_open(self) -> tuple[str, int]:
@@ -121,7 +121,7 @@ class LearnerEndpoint:
         import torch
 
         start = time.perf_counter()
-        state = self.model.state_dict()
+        state = self.push_state()
         device = "cuda" if self._tx_backend == "nccl" else "cpu"
         with torch.no_grad():
             for bucket in layout["buckets"]:
@@ -134,7 +134,7 @@ class LearnerEndpoint:
         import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
-        state = self.model.state_dict()
+        state = self.push_state()
         device = next(iter(state.values())).device
         if device.type != "cuda":
             raise ValueError("weight_transport='cuda_ipc': the learner is not on a GPU; set "

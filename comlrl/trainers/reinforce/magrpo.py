@@ -9,6 +9,7 @@ docs/architecture.md maps every concern to the file that owns it.
 
 from __future__ import annotations
 
+import copy
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,6 +27,12 @@ from comlrl.fingerprints import (
 )
 from comlrl.inputs import build_formatters, dataset_rows, resolve_agent_sources, resolve_tokenizers
 from comlrl.loading import load_once
+from comlrl.lora import (
+    check_peft_config,
+    is_peft_model,
+    make_lora_agents,
+    resume_settings,
+)
 from comlrl.rollout import Node, run_episode_batch, StepRecord
 from comlrl.trainers.reinforce import manual_save
 from comlrl.trainers.reinforce.compat import (
@@ -43,6 +50,10 @@ class MAGRPOTrainer:
     `reward_func(completions_agent0, ...)`,
     `train_dataset` with a `prompt` column, `args=MAGRPOConfig(...)`, `wandb_config` (None: no
     W&B). Constructing it validates everything and starts nothing heavy.
+
+    `peft_config=peft.LoraConfig(...)` (TRL's convention; not in comlrl) makes every agent a
+    LoRA agent: `trainer.agents` become `peft.PeftModel`s and only their adapters are
+    trained. Agents handed over as PeftModels are LoRA agents without it.
     """
 
     default_config_cls = MAGRPOConfig
@@ -56,7 +67,7 @@ class MAGRPOTrainer:
                  formatters: Callable | Sequence[Callable] | None = None,
                  external_transition: Callable | None = None, wandb_config: dict | None = None,
                  eval_logger: Callable | None = None, eval_aggregator: Callable | None = None,
-                 args: MAGRPOConfig | None = None):
+                 args: MAGRPOConfig | None = None, peft_config: Any = None):
         # Checks run in comlrl 1.4.3's order, with its error words, so the first problem a
         # user sees is the one comlrl would report.
         self.args = args if args is not None else self.default_config_cls()
@@ -73,8 +84,13 @@ class MAGRPOTrainer:
         if agents is not None and agent_model is None:
             self.args.num_agents = self.num_agents
         self.agent_model = agent_model
+        check_peft_config(peft_config)
+        self.peft_config = peft_config
         self.model_sources = sources  # a model name (or path) per agent, or the models
         self.agents = None if all(isinstance(x, str) for x in sources) else list(sources)
+        if self.agents is not None:   # LoRA agents now; models given by name when loaded
+            self.agents = self.model_sources = make_lora_agents(self.agents, peft_config,
+                                                                self.args.seed)
         self.model_config = dict(model_config or {})
         self.formatters = build_formatters(formatters, self.num_agents)
         self.reward_func = reward_func
@@ -252,13 +268,17 @@ class MAGRPOTrainer:
             session.log(metrics, self.env_step)
             return metrics
 
-    def save_model(self, output_dir: str) -> list[str]:
+    def save_model(self, output_dir: str, merge: bool = False) -> list[str]:
         """Write one `from_pretrained` folder per agent: output_dir/agent_0, agent_1, ...
 
-        After `train()` the agents hold the trained weights."""
+        After `train()` the agents hold the trained weights. A LoRA agent's folder is its
+        PEFT adapter (`PeftModel.from_pretrained(base, folder)` loads it); with `merge=True`,
+        the adapter merged into a copy of its base, a plain `from_pretrained` folder."""
         out = Path(output_dir)
         paths = []
         for i, model in enumerate(self._initial_models()):
+            if merge and is_peft_model(model):
+                model = copy.deepcopy(model).merge_and_unload()
             model.save_pretrained(out / f"agent_{i}", safe_serialization=True)
             self.tokenizers[i].save_pretrained(out / f"agent_{i}")
             paths.append(str(out / f"agent_{i}"))
@@ -270,7 +290,9 @@ class MAGRPOTrainer:
     def _initial_models(self) -> list:
         """The agents' models; given as names (`agent_model`, or `agents=[names]`), they are
         loaded here, at first use, not at construction."""
-        return load_once(self, "agents", self.model_sources, self.model_config)
+        return load_once(self, "agents", self.model_sources, self.model_config,
+                         prepare=lambda models: make_lora_agents(models, self.peft_config,
+                                                                 self.args.seed))
 
     def _check_resume(self, checkpoint_dir: str | None, resume: str | None) -> dict | None:
         """Read the checkpoint to resume from (its files are verified by the Session while
@@ -309,8 +331,10 @@ class MAGRPOTrainer:
         callables = {key: [callable_print(f, f"{key}[{i}]") for i, f in enumerate(value)]
                      if isinstance(value, list) else callable_print(value, key)
                      for key, value in self._user_callables().items()}
+        lora = resume_settings(self._initial_models())
         return {
             "config": cfg,
+            **({"peft_config": lora} if lora is not None else {}),
             "num_agents": self.num_agents,
             "dataset": fingerprint_rows(self.train_rows),
             "eval_dataset": fingerprint_rows(self.eval_rows),

@@ -192,8 +192,9 @@ def _write_initial(trainer: Any, staging: Path) -> None:
     staging.mkdir()
     folders, fingerprints = save_models(trainer, str(staging), False)
     for folder, model in zip(folders, trainer._initial_models()):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.args.agent_learning_rate,
-                                      weight_decay=0.01)
+        # The learner's AdamW: over what trains (a LoRA agent's adapter alone).
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=trainer.args.agent_learning_rate, weight_decay=0.01)
         torch.save(optimizer.state_dict(), Path(folder) / OPTIMIZER_FILE)
         # A new learner's RNG is that of a new process (seeded at random by torch): nothing
         # the update computes draws from it, so any state resumes the same run.
