@@ -34,10 +34,12 @@ timestamps ((train + resume) / 4 epochs, starts included) where the history is u
 
     python benchmarks/bench_memory.py [--short] [--sizes 10M,76.6M,358M,0.5B]
                                       [--sides ours,comlrl] [--timeout 1500]
-                                      [--setting FIELD=VALUE ...]
+                                      [--setting FIELD=VALUE ...] [--lora FIELD=VALUE ...]
 
 --setting adds a MAGRPOConfig field to our side's trainers (comlrl 1.4.3 has none of ours),
-e.g. --setting gradient_checkpointing=True --setting "engine_dtype='bfloat16'".
+e.g. --setting gradient_checkpointing=True --setting "engine_dtype='bfloat16'". The side
+"lora" is ours with LoRA agents (`peft_config=LoraConfig(...)`; comlrl 1.4.3 has no LoRA):
+r=16 on every attention and MLP projection unless --lora fields say otherwise.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ AGENTS = 2
 EPOCHS = (2, 4)                        # train to 2 with a checkpoint each, resume to 4
 STEPS_PER_EPOCH = 4 * 4                # 4 prompts x K=4 (env steps, one turn)
 DEFAULT_SIZES = ["10M", "76.6M", "358M", "0.5B"]
-SIDES = ("ours", "comlrl")
+SIDES = ("ours", "comlrl", "lora")
+LORA_DEFAULTS = ("r=16", "lora_alpha=32", "target_modules=['q_proj', 'k_proj', 'v_proj', "
+                 "'o_proj', 'gate_proj', 'up_proj', 'down_proj']")
 INTERVAL = 0.2
 OTHERS_EVERY = 5                       # other processes' PSS: every 5th sample (1 s)
 GB = 1e9
@@ -264,7 +268,7 @@ def outcome_of(code: int | None, timed_out: bool, text: str) -> str:
 
 
 def run_one(size: str, side: str, model: Path, params: int, timeout: float,
-            log_path: Path, settings: list[str] = ()) -> dict:
+            log_path: Path, settings: list[str] = (), lora: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-memory-{side}-") as tmp:
         tmp = Path(tmp)
         env = {**os.environ, **bl.BENCH_ENV, "WANDB_DIR": str(tmp)}
@@ -277,8 +281,10 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
                "--phase-log", str(phase_log), "--out", str(tmp / "times.json"),
                "--checkpoint-dir", str(tmp / "checkpoints"),
                "--epochs", str(EPOCHS[0]), "--resume-epochs", str(EPOCHS[1])]
-        if side == "ours":
+        if side in ("ours", "lora"):
             cmd += [arg for item in settings for arg in ("--setting", item)]
+        if side == "lora":
+            cmd += [arg for item in lora for arg in ("--lora", item)]
         idle = settle()
         others_idle = others_bytes({os.getpid()})
         start = time.time()
@@ -374,6 +380,8 @@ def main() -> None:
     p.add_argument("--from-json", metavar="FILE", help="print a results file's tables and exit")
     p.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE",
                    help="a MAGRPOConfig field for our side (a Python literal); repeatable")
+    p.add_argument("--lora", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a LoraConfig field for the lora side (over LORA_DEFAULTS)")
     a = p.parse_args()
     if a.from_json:
         runs = json.loads(Path(a.from_json).read_text())["runs"]
@@ -389,7 +397,8 @@ def main() -> None:
         sizes = bl.parse_sizes(a.sizes or ",".join(DEFAULT_SIZES), False)
         sides = [s.strip() for s in a.sides.split(",") if s.strip()]
     if set(sides) - set(SIDES):
-        p.error(f"--sides: unknown {sorted(set(sides) - set(SIDES))}; use any of ours, comlrl")
+        p.error(f"--sides: unknown {sorted(set(sides) - set(SIDES))}; use any of "
+                f"{', '.join(SIDES)}")
     versions = None
     if "comlrl" in sides:
         import bench_seed
@@ -405,14 +414,15 @@ def main() -> None:
     name = "_".join(["bench_memory", *(t for t in tags if t)])
     settings = {"sizes": sizes, "sides": sides, "params": params, "epochs": EPOCHS,
                 "agents": AGENTS, "interval_s": INTERVAL, "timeout_s": a.timeout,
-                "our_settings": a.setting}
+                "our_settings": a.setting, "lora": [*LORA_DEFAULTS, *a.lora]}
     runs: list[dict] = []
     for size in sizes:
         for side in sides:
             print(f"{size} ({params[size]:,} parameters) {side}: running", flush=True)
             with bl.ForeignCPU() as monitor:
                 run = run_one(size, side, models[size], params[size], a.timeout,
-                              logs / f"memory-{size}-{side}.log", a.setting)
+                              logs / f"memory-{size}-{side}.log", a.setting,
+                              [*LORA_DEFAULTS, *a.lora])
             run["foreign_cpu"] = monitor.report()
             runs.append(run)
             print(f"\n## {size} {side}: {run['outcome']}, {run['wall_s']:.0f} s; "

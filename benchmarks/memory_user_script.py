@@ -18,6 +18,7 @@ wait_checkpoint -> "checkpoint", pull_weights -> "pull back". comlrl 1.4.3 has n
     python memory_user_script.py --model DIR --phase-log FILE --out times.json
                                  --checkpoint-dir D [--epochs 2] [--resume-epochs 4]
                                  [--setting gradient_checkpointing=True ...]
+                                 [--lora r=16 --lora "target_modules='all-linear'" ...]
 """
 
 import time
@@ -42,6 +43,8 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--resume-epochs", type=int, default=4)
 parser.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE",
                     help="a further MAGRPOConfig field (a Python literal), both trainers")
+parser.add_argument("--lora", action="append", default=[], metavar="FIELD=VALUE",
+                    help="LoRA agents: peft.LoraConfig fields (Python literals), both trainers")
 cli = parser.parse_args()
 os.environ.setdefault("WANDB_MODE", "offline")
 
@@ -94,6 +97,9 @@ T_IMPORTED = time.time()
 
 model_name = cli.model
 SETTINGS = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in cli.setting)}
+LORA = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in cli.lora)}
+if LORA:
+    from peft import LoraConfig
 tokenizer = AutoTokenizer.from_pretrained(model_name)
 train_dataset = Dataset.from_dict({
     "prompt": [
@@ -127,6 +133,7 @@ def build_trainer(num_train_epochs, wandb_config, agents=None):
         train_dataset=train_dataset,
         args=config,
         wandb_config=wandb_config,
+        **({"peft_config": LoraConfig(**LORA)} if LORA else {}),
     )
 
 

@@ -347,10 +347,13 @@ class VLLMEngine:
                            self.adapters.path)
 
     def _load_adapter(self, state_dict: dict) -> None:
-        """A LoRA agent's push: the new adapter into a new folder under a new id, the old
-        one removed from the engine (vLLM loads an adapter by path at its first request)."""
+        """A LoRA agent's push: the new adapter written into a new folder, loaded under a new
+        id and name (vLLM's prefix cache keys an adapter's blocks by its name and path, not
+        its weights), then the old one removed; loaded now, not at the first request, so a
+        bad adapter fails the push and the push's time is the whole cost."""
         old = self.adapters.version
         self.adapters.write(state_dict)
+        self.llm.llm_engine.add_lora(self._adapter())
         self.llm.llm_engine.remove_lora(old)
         self.llm.reset_prefix_cache()
 
