@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +140,20 @@ def load_adapter_state(model: Any, state: dict, what: str) -> None:
     set_peft_model_state_dict(model, state)
 
 
-def save_lora_folder(model: Any, folder: str | Path) -> None:
+def save_lora_folder(model: Any, folder: str | Path,
+                     base_from: str | Path | None = None) -> None:
     """A LoRA agent's model folder: its base as a `from_pretrained` folder (config and
-    weights) plus its adapter in ADAPTER_FOLDER, in PEFT's format."""
+    weights) plus its adapter in ADAPTER_FOLDER, in PEFT's format. `base_from`: a folder
+    of an agent with the very same base weights, whose files are hard-linked instead."""
     folder = Path(folder)
     base = model.get_base_model()
-    base.save_pretrained(folder, state_dict=base_state_dict(model), safe_serialization=True)
+    if base_from is None:
+        base.save_pretrained(folder, state_dict=base_state_dict(model), safe_serialization=True)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in Path(base_from).iterdir():
+            if f.is_file():
+                os.link(f, folder / f.name)
     model.save_pretrained(folder / ADAPTER_FOLDER, safe_serialization=True)
     write_adapter_config(adapter_config(model), folder / ADAPTER_FOLDER)
 

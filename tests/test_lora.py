@@ -67,6 +67,18 @@ def lora_straight(tiny_model, tmp_path_factory):
     return d, proc
 
 
+@pytest.mark.e2e
+def test_agents_on_one_base_share_one_engine(lora_straight):
+    """The three LoRA agents of one base run in three hosts (one learner each) and ONE vLLM
+    engine serving the three adapters: the run says so, and only one actor's log holds a
+    vLLM engine's start."""
+    d, proc = lora_straight
+    assert "actors started: 1 learner+engine host, 2 learner hosts" in proc.stdout + proc.stderr
+    logs = sorted((d / "logs").glob("host-agent*.log"))
+    assert len(logs) == 3
+    assert [("Enforce eager set" in p.read_text()) for p in logs] == [True, False, False]
+
+
 # ---------------------------------------------------------------- pure parts (no Ray, no vLLM)
 
 
@@ -148,12 +160,13 @@ def test_a_vllm_engine_serves_the_pushed_adapter(ray_session, tiny_model, tmp_pa
     requests = [{"prompt_ids": [5, 6, 7, 8, 9], "n": 4, "seed": 11},
                 {"prompt_ids": [20, 21, 22], "n": 4, "seed": 12}]
 
-    def worker(folder):
+    def worker(folder, slots=1):
         return start_actor(RolloutWorker, Placement(0.5), 0, str(folder), "vllm", sampling,
-                           dict(kv_cache_memory_bytes=64 << 20, threads=1, seed=42))
+                           dict(kv_cache_memory_bytes=64 << 20, threads=1, seed=42,
+                                lora_slots=slots))
 
-    def sample(actor):
-        out = ray.get(actor.generate.remote(requests))["outputs"]
+    def sample(actor, agent=None):
+        out = ray.get(actor.generate.remote(requests, agent))["outputs"]
         return [[s["token_ids"] for s in samples] for samples in out]
 
     actors = []
@@ -178,6 +191,19 @@ def test_a_vllm_engine_serves_the_pushed_adapter(ray_session, tiny_model, tmp_pa
         assert sample(engine) == first
         actors.append(worker(tmp_path / "changed"))
         assert sample(actors[-1]) == got_changed
+
+        # One engine serving three agents' adapters: a push to agent 1 changes agent 1's
+        # samples alone, and each agent's outputs carry its own weight version.
+        kill_actors(actors)
+        actors = [worker(tmp_path / "fresh", slots=3)]
+        shared = actors[0]
+        for agent in (1, 2):
+            ray.get(shared.update_weights.remote(0, zero, agent))
+        assert [sample(shared, a) for a in range(3)] == [first] * 3
+        ray.get(shared.update_weights.remote(5, changed, 1))
+        assert [sample(shared, a) for a in range(3)] == [first, got_changed, first]
+        assert [ray.get(shared.generate.remote(requests, a))["version"]
+                for a in range(3)] == [0, 5, 0]
     finally:
         kill_actors(actors)
 

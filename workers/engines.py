@@ -121,7 +121,8 @@ class HFEngine:
         self.eos_ids = [e for e in self.eos_ids if e is not None] + list(sampling.stop_token_ids)
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else self.eos_ids[0]
 
-    def generate(self, requests: list[dict]) -> list[list[dict]]:
+    def generate(self, requests: list[dict], adapter: Any = None) -> list[list[dict]]:
+        """`adapter` must be None: an HF engine serves one agent."""
         import torch
 
         s = self.sampling
@@ -156,7 +157,7 @@ class HFEngine:
             results.append(samples)
         return results
 
-    def load_weights(self, state_dict: dict) -> None:
+    def load_weights(self, state_dict: dict, adapter: Any = None) -> None:
         import torch
 
         if self.lora:
@@ -229,7 +230,7 @@ class VLLMEngine:
                  kv_cache_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
-                 seed: int = 0, threads: int | None = None, **_: Any):
+                 seed: int = 0, threads: int | None = None, lora_slots: int = 1, **_: Any):
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
         # Frozen too, the imports' objects stay out of the five gc.collect() calls LLM()
@@ -252,7 +253,7 @@ class VLLMEngine:
             # A LoRA agent: vLLM serves the frozen base and the agent's adapter on top of it.
             # vLLM allows a few ranks only; the adapter's own rank is kept within the slot.
             rank = adapter_rank(adapter)
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(
+            kwargs.update(enable_lora=True, max_loras=lora_slots, max_lora_rank=next(
                 r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512, rank) if r >= rank))
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
@@ -285,13 +286,16 @@ class VLLMEngine:
             stop_token_ids=list(s.stop_token_ids), **extra,
         )
 
-    def generate(self, requests: list[dict]) -> list[list[dict]]:
+    def generate(self, requests: list[dict], adapter: Any = None) -> list[list[dict]]:
+        """`adapter`: whose LoRA adapter samples them, in an engine serving several (None:
+        the engine's own, the one it started with)."""
         self._ready()
         prompts = [{"prompt_token_ids": list(r["prompt_ids"])} for r in requests]
         params = [self._params(int(r["n"]), int(r["seed"]),
                                **({"logprobs": 0} if r.get("logprobs") else {}))
                   for r in requests]
-        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter())
+        outs = self.llm.generate(prompts, params, use_tqdm=False,
+                                 lora_request=self._adapter(adapter))
         results = []
         for out in outs:
             samples = []
@@ -304,7 +308,7 @@ class VLLMEngine:
             results.append(samples)
         return results
 
-    def load_weights(self, state_dict: dict) -> None:
+    def load_weights(self, state_dict: dict, adapter: Any = None) -> None:
         """Swap weights in place through vLLM's `reload_weights`, then drop stale KV blocks.
 
         The engine runs in this process, so the worker gets the tensors directly (no pickling
@@ -313,7 +317,7 @@ class VLLMEngine:
         """
         self._ready()
         if self.adapters is not None:
-            self._load_adapter(state_dict)
+            self._load_adapter(state_dict, adapter)
             return
         weights = list(state_dict.items())
 
@@ -337,24 +341,24 @@ class VLLMEngine:
                 f"are drawn partly from stale weights. The pushed state dict does not match "
                 f"the engine's model (names or shapes).")
 
-    def _adapter(self) -> Any:
-        """The LoRARequest of the adapter the engine serves now (None: a full-weight agent)."""
+    def _adapter(self, key: Any = None) -> Any:
+        """The LoRARequest of adapter `key`'s current version (None: a full-weight agent)."""
         if self.adapters is None:
             return None
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(f"adapter-{self.adapters.version}", self.adapters.version,
-                           self.adapters.path)
+        lora_id, path = self.adapters.current(key)
+        return LoRARequest(f"adapter-{lora_id}", lora_id, path)
 
-    def _load_adapter(self, state_dict: dict) -> None:
+    def _load_adapter(self, state_dict: dict, key: Any) -> None:
         """A LoRA agent's push: the new adapter written into a new folder, loaded under a new
         id and name (vLLM's prefix cache keys an adapter's blocks by its name and path, not
         its weights), then the old one removed; loaded now, not at the first request, so a
         bad adapter fails the push and the push's time is the whole cost."""
-        old = self.adapters.version
-        self.adapters.write(state_dict)
-        self.llm.llm_engine.add_lora(self._adapter())
-        self.llm.llm_engine.remove_lora(old)
+        old = self.adapters.write(key, state_dict)
+        self.llm.llm_engine.add_lora(self._adapter(key))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old)
         self.llm.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -396,33 +400,45 @@ class VLLMEngine:
 
 
 class AdapterFiles:
-    """The folder a vLLM engine loads its LoRA adapter from: one subfolder per version (an
-    id vLLM has not seen is loaded fresh), on tmpfs where there is one, the previous version
-    removed once the next is written. The model folder the engine started from may be gone
-    by the first request (an actor's packed copy), so the adapter is copied here at start."""
+    """The folders a vLLM engine loads its LoRA adapters from: one per version of each
+    adapter it serves (keyed by agent; None: the one it started with), on tmpfs where there
+    is one, the previous version removed once the next is written. The model folder the
+    engine started from may be gone by the first request (an actor's packed copy), so its
+    adapter is copied here at start. Ids are never reused: vLLM loads an id it has not seen
+    afresh. The adapters an engine serves share one config (`lora_engine_groups`)."""
 
     def __init__(self, source: Path):
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.root = Path(tempfile.mkdtemp(prefix="comlrl-adapter-", dir=shm))
         self.config = (source / ADAPTER_CONFIG).read_bytes()
-        self.version = 1
-        self.path = str(self.root / "1")
-        shutil.copytree(source, self.path)
+        self.last_id = 1
+        self.versions: dict[Any, tuple[int, str]] = {None: (1, str(self.root / "1"))}
+        shutil.copytree(source, self.root / "1")
 
-    def write(self, state_dict: dict) -> None:
+    def current(self, key: Any) -> tuple[int, str]:
+        """(vLLM id, folder) of adapter `key`'s newest version."""
+        if key not in self.versions:
+            raise KeyError(f"this engine was given no adapter for agent {key} yet")
+        return self.versions[key]
+
+    def write(self, key: Any, state_dict: dict) -> int | None:
+        """Adapter `key`'s new version; returns the id of the one it replaces, if any."""
         from safetensors.torch import save_file
 
-        folder = self.root / str(self.version + 1)
+        self.last_id += 1
+        folder = self.root / str(self.last_id)
         folder.mkdir()
         (folder / ADAPTER_CONFIG).write_bytes(self.config)
         save_file({k: v.detach().contiguous() for k, v in state_dict.items()},
                   str(folder / ADAPTER_WEIGHTS), {"format": "pt"})
-        shutil.rmtree(self.path, ignore_errors=True)
-        self.version, self.path = self.version + 1, str(folder)
+        old = self.versions.get(key)
+        self.versions[key] = (self.last_id, str(folder))
+        if old is not None:
+            shutil.rmtree(old[1], ignore_errors=True)
+        return None if old is None else old[0]
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comlrl.lora import ADAPTER_CONFIG, adapter_folder, is_peft_model, save_lora_folder
+from comlrl.lora import (
+    ADAPTER_CONFIG,
+    adapter_folder,
+    base_state_dict,
+    is_peft_model,
+    save_lora_folder,
+)
 from comlrl.rollout import longest_sequence, sequences_per_call
 from workers.console import quiet_progress_bars
 from workers.driver.cluster import WARM_ACTORS
@@ -92,6 +98,26 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
                          threads=args.learner_threads or max(1, cores // trainer.num_agents))
                     for a in range(trainer.num_agents)],
     }
+
+
+def lora_engine_groups(trainer: Any, folders: list[str], settings: dict, hosts: bool) -> list:
+    """The agent whose host's engine serves each agent (itself, unless shared). In the
+    colocated layout LoRA agents whose bases are one file (`save_models` links equal bases)
+    and whose adapters share a config and sampling settings share one vLLM engine, with one
+    adapter each: one copy of the base in the engine instead of one per agent."""
+    leaders = list(range(len(folders)))
+    if not hosts or settings["engine"] != "vllm":
+        return leaders
+    seen: dict = {}
+    for a, folder in enumerate(folders):
+        adapter = adapter_folder(folder)
+        if adapter is None:
+            continue
+        base = tuple(sorted((f.name, f.stat().st_ino, f.stat().st_dev)
+                            for f in Path(folder).glob("*.safetensors")))
+        group = (base, (adapter / ADAPTER_CONFIG).read_bytes(), repr(settings["sampling"][a]))
+        leaders[a] = seen.setdefault(group, a)
+    return leaders
 
 
 def _in_blocks(tokens: int | None) -> int | None:
@@ -172,20 +198,48 @@ def save_models(trainer: Any, folder: str, show_progress: bool) -> tuple[list[st
     with quiet_progress_bars(show_progress):
         models = trainer._initial_models()     # models given by name are loaded here
         folders = [str(Path(folder) / f"agent_{i}") for i in range(len(models))]
-        with ThreadPoolExecutor(len(models)) as pool:
-            list(pool.map(save_model_folder, models, folders))
+        firsts = first_equal_bases(models)
+        with ThreadPoolExecutor(len(models)) as pool:      # the bases first, then the links
+            for linked in (False, True):
+                agents = [i for i, f in enumerate(firsts) if (f != i) == linked]
+                list(pool.map(lambda i: save_model_folder(
+                    models[i], folders[i], folders[firsts[i]] if linked else None), agents))
         for tok, f in zip(trainer.tokenizers, folders):
             tok.save_pretrained(f)
     return folders, trainer.fingerprints(folders)
 
 
-def save_model_folder(model: Any, folder: str) -> None:
+def save_model_folder(model: Any, folder: str, base_from: str | None = None) -> None:
     """What an actor loads an agent from: a `from_pretrained` folder, or a LoRA agent's
-    base plus its adapter (`comlrl.lora.save_lora_folder`)."""
+    base plus its adapter (`comlrl.lora.save_lora_folder`; `base_from`: the folder of an
+    agent with the same base, whose files it links)."""
     if is_peft_model(model):
-        save_lora_folder(model, folder)
+        save_lora_folder(model, folder, base_from)
     else:
         model.save_pretrained(folder, safe_serialization=True)
+
+
+def first_equal_bases(models: list) -> list[int]:
+    """For each agent, the first LoRA agent whose base weights equal its own (itself if
+    none, or if it is not a LoRA agent): their folders link one base file, so the learners
+    that map it share its pages, and one engine can serve their adapters."""
+    import torch
+
+    firsts, bases = [], {}
+    for i, model in enumerate(models):
+        first = i
+        if is_peft_model(model):
+            mine = base_state_dict(model)
+            for j, theirs in bases.items():
+                if mine.keys() == theirs.keys() and all(
+                        mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype
+                        and torch.equal(mine[k], theirs[k]) for k in mine):
+                    first = j
+                    break
+            else:
+                bases[i] = mine
+        firsts.append(first)
+    return firsts
 
 
 def model_sources(folders: list[str], local: bool) -> list:
@@ -237,21 +291,25 @@ def start_actors(trainer: Any, logs: Any, key: str, settings: dict, needs: list,
     hosts = "host" in plan and not for_eval
     bundles = iter(placed)
     specs = {}
+    leaders = settings["engine_leaders"] if hosts else list(range(n))
     if hosts:
         for a in range(n):
+            # One engine per group of LoRA agents on one base, in its first agent's host.
+            serves = leaders.count(a)
             specs[a, 0] = (AgentHost, logs.place(next(bundles), "host", a), a, sources[a],
-                           settings["engine"], settings["sampling"][a],
-                           settings["engine_kwargs"], settings["learner"][a])
+                           settings["engine"] if serves else None, settings["sampling"][a],
+                           {**settings["engine_kwargs"], "lora_slots": serves},
+                           settings["learner"][a])
     for a in range(n):
         for i in range(int(hosts), per_agent):
             specs[a, i] = (RolloutWorker, logs.place(next(bundles), "rollout", a, i), a,
                            sources[a], settings["engine"], settings["sampling"][a],
                            settings["engine_kwargs"])
-    pool = RolloutPool(specs, n, per_agent, hosts=hosts)
+    pool = RolloutPool(specs, n, per_agent, hosts=hosts, leaders=leaders)
     actors = Actors(key, pool, placement_group=group, models=models)
     if hosts:
         actors.learner_specs = [(specs[a, 0], {}) for a in range(n)]
-        actors.learners = [pool.workers[a][0] for a in range(n)]
+        actors.learners = list(pool.hosts_of)
     elif not for_eval:
         # Kept to restart learners that die, with the same arguments and bundles (`heal`).
         actors.learner_specs = [

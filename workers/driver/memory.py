@@ -61,13 +61,15 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
              learner_on_gpu: bool = False, engines_on_gpu: bool = False,
              user_bytes_per_param: int = 4,
              activation_bytes: list[int] | None = None,
-             trainable: list[int] | None = None) -> Estimate:
+             trainable: list[int] | None = None, engineless: list[int] = ()) -> Estimate:
     """Bytes in use at a run's fullest moment on the machine's memory (CPU side).
 
     Per agent: the learner's fp32 weights (4 bytes per parameter) and AdamW's two moments (8;
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference copy
     (4) with reference KL; a LoRA agent's AdamW holds only its `trainable` parameters' moments
-    (its frozen base: 4 bytes per parameter); activations (`activation_bytes` per agent, from
+    (its frozen base: 4 bytes per parameter), and the agents in `engineless` (LoRA agents
+    whose adapter another agent's engine serves) have no first engine of their own;
+    activations (`activation_bytes` per agent, from
     `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in
     its dtype plus its KV cache; one process per learner and per engine (one per agent when
     colocated, for the first engine). The user's own models are file-mapped until the final
@@ -84,8 +86,9 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
         if reference:
             parts["reference models"] = 4 * total_params
     if not engines_on_gpu:
-        parts["engine weights"] = engines_per_agent * engine_bytes_per_param * total_params
-        parts["KV caches"] = engines_per_agent * len(params) * kv_cache_bytes
+        parts["engine weights"] = engine_bytes_per_param * (
+            engines_per_agent * total_params - sum(params[a] for a in engineless))
+        parts["KV caches"] = (engines_per_agent * len(params) - len(engineless)) * kv_cache_bytes
     parts["final weights in the user's models"] = user_bytes_per_param * total_params
     processes = len(params) * (engines_per_agent + (0 if colocated else 1))
     parts["processes"] = processes * PROCESS_BYTES + DRIVER_BYTES
@@ -209,6 +212,8 @@ def preflight(trainer: object, plan: dict, folders: list[str], settings: dict,
                     engine_bytes_per_param=engine_bytes, reference=reference,
                     kv_cache_bytes=kv, engines_on_gpu=engine_gpu,
                     user_bytes_per_param=user_bytes, activation_bytes=activations,
-                    trainable=trainable)
+                    trainable=trainable, engineless=[
+                        a for a, leader in enumerate(settings.get("engine_leaders") or [])
+                        if leader != a])
     check_fits(need, available_bytes(), num_agents=len(params), params=params,
                tips=advice(colocated, engine_bytes, engines, reference, saves))

@@ -22,14 +22,19 @@ MAX_RESTARTS_PER_CALL = 2
 
 class RolloutPool:
     def __init__(self, specs: dict[tuple[int, int], tuple], num_agents: int, per_agent: int,
-                 hosts: bool = False):
+                 hosts: bool = False, leaders: list[int] | None = None):
         """`specs[agent, index]` = (class, placement, *args): how to start (and restart) it.
         `hosts`: worker 0 of each agent is its learner's actor (`colocate`); its death is the
-        learner's, so it is not restarted here but raised for `Session.heal`."""
+        learner's, so it is not restarted here but raised for `Session.heal`. `leaders[a]`:
+        the agent whose host's engine is agent a's worker 0 (LoRA agents on one base share
+        one, `workers.driver.actors.lora_engine_groups`); every host is in `hosts_of`."""
         self.specs = specs
         self.hosts = hosts
+        self.leaders = list(leaders) if leaders is not None else list(range(num_agents))
         self.workers: list[list[Any]] = [
             [start_actor(*specs[a, i]) for i in range(per_agent)] for a in range(num_agents)]
+        self.hosts_of: list[Any] = [ws[0] for ws in self.workers] if hosts else []
+        self.rehost(self.hosts_of)
         self.learners: list[Any] = []
         self.transport: Any = None
         self.restarts = 0
@@ -37,7 +42,26 @@ class RolloutPool:
 
     @property
     def actors(self) -> list:
-        return [w for ws in self.workers for w in ws]
+        """Every actor once (a shared engine's host is several agents' worker 0)."""
+        out: list = []
+        for actor in [w for ws in self.workers for w in ws] + self.hosts_of:
+            if not any(actor is seen for seen in out):
+                out.append(actor)
+        return out
+
+    @property
+    def shared(self) -> bool:
+        """Whether an engine serves the adapters of several agents."""
+        return self.leaders != list(range(len(self.leaders)))
+
+    def rehost(self, hosts: list) -> None:
+        """`colocate`: every agent's worker 0 is the host whose engine serves it (new hosts
+        after `Session.heal` restarted them)."""
+        if not self.hosts:
+            return
+        self.hosts_of = list(hosts)
+        for a, leader in enumerate(self.leaders):
+            self.workers[a][0] = self.hosts_of[leader]
 
     def attach(self, learners: list, transport: Any) -> None:
         """Where current weights come from when a worker is restarted."""
@@ -103,9 +127,9 @@ class RolloutPool:
                 if part:
                     parts.append((agent, index, part))
         start = time.perf_counter()
-        refs = [self.workers[a][i].generate.remote(part) for a, i, part in parts]
+        refs = [self.workers[a][i].generate.remote(part, a) for a, i, part in parts]
         results = [self._get(a, i, ref, lambda a=a, i=i, p=part:
-                             self.workers[a][i].generate.remote(p), "generating")
+                             self.workers[a][i].generate.remote(p, a), "generating")
                    for (a, i, part), ref in zip(parts, refs)]
         out: dict = {"outputs": [[] for _ in requests_per_agent], "tokens": 0,
                      "seconds": time.perf_counter() - start, "policy_versions": {}}

@@ -35,6 +35,7 @@ from workers.driver.actors import (
     Actors,
     connect_transport,
     drop_warm,
+    lora_engine_groups,
     park,
     reinit_learners,
     save_models,
@@ -159,9 +160,11 @@ class Session:
         if not self.for_eval:
             n_workers, hosts = trainer.num_agents * args.rollout_workers_per_agent, \
                 self.pool.hosts * trainer.num_agents
+            engines = self.pool.hosts * len(set(self.pool.leaders))
             console.header(Path(self.checkpoint_dir).resolve() if self.checkpoint_dir
                            else None, trainer.model_name,
-                           {"learner+engine host": hosts, "rollout worker": n_workers - hosts,
+                           {"learner+engine host": engines, "learner host": hosts - engines,
+                            "rollout worker": n_workers - hosts,
                             "learner": len(self.learners) * (not self.pool.hosts),
                             "checkpointer": int(self.checkpointer is not None)}, self.logs,
                            reused=warm is not None)
@@ -233,6 +236,8 @@ class Session:
                     else int(ray.cluster_resources().get("CPU", 1)))
         settings = actor_settings(trainer, plan, cores,
                                   trainer.num_agents * args.rollout_workers_per_agent)
+        settings["engine_leaders"] = lora_engine_groups(trainer, folders, settings,
+                                                        "host" in plan and not self.for_eval)
         key = self.actor_key = warm_key(settings, needs, plan, folders, self.logs.folder,
                                         args.ray_address)
         # Actors a clean train() of this process parked (workers/driver/actors.py), if they fit.
@@ -262,7 +267,8 @@ class Session:
                                 for a, learner in enumerate(self.learners)], "restoring learners")
             self.engine_versions = [version for version, _ in restored]
             kept = warm is not None and all(keeps for _, keeps in restored)
-        if (meta is not None or warm is not None) and not kept:
+        # An engine serving several agents' adapters started with its own agent's alone.
+        if (meta is not None or warm is not None or self.pool.shared) and not kept:
             self.push_weights()
 
     def _start_checkpointer(self, fresh: bool) -> None:
@@ -304,8 +310,7 @@ class Session:
         kill_actors(self.learners + ([self.checkpointer] if self.checkpointer else []))
         self.checkpointer = None            # a new one is started below
         self.learners = [start_actor(*spec, **kw) for spec, kw in self.learner_specs]
-        for a, host in enumerate(self.learners if self.pool.hosts else []):
-            self.pool.workers[a][0] = host          # `colocate`: the learner is worker 0
+        self.pool.rehost(self.learners)             # `colocate`: the hosts are workers 0
         if self.checkpoint_dir:
             self._start_checkpointer(fresh=False)   # its clean-up may restore a checkpoint
             newest = list_checkpoints(self.checkpoint_dir, self.run_uid)

@@ -42,9 +42,12 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         threads = learner_kwargs.get("threads") or engine_kwargs.get("threads")
         # One folder for both: a packed model is written out once, and removed after both
         # have loaded it.
+        # engine None: a LoRA agent whose adapter another host's engine serves (one engine
+        # per base, workers/driver/actors.lora_engine_groups); this host holds its learner.
         with model_folder(model_source) as folder:
-            RolloutWorker.__init__(self, agent_index, folder, engine, sampling,
-                                   {**engine_kwargs, "threads": threads})
+            if engine is not None:
+                RolloutWorker.__init__(self, agent_index, folder, engine, sampling,
+                                       {**engine_kwargs, "threads": threads})
             Learner.__init__(self, agent_index, folder, **learner_kwargs)
 
     def reinit(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,

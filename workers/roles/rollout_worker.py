@@ -9,6 +9,7 @@ IPC).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -28,34 +29,42 @@ class RolloutWorker(WorkerEndpoint):
                                       **engine_kwargs)
         self.engine.on_problem = self.problem
         self.engine_version = 0
+        self.served_versions: dict[int, int] = {}
+        """The weight version of every other agent whose adapter this engine also serves
+        (LoRA agents on one base, workers/driver/actors.lora_engine_groups)."""
+        self.engine_lock = threading.Lock()     # an agent host's calls run in two threads
 
     def problem(self, text: str) -> None:
         """Say `text` on the driver's console, once (`workers.console.problem`)."""
         problem(f"rollout worker of agent {self.agent_index}: {text}")
 
-    def generate(self, requests: list[dict]) -> dict:
-        """Samples for every request, the weight version that drew them, and timing."""
+    def generate(self, requests: list[dict], agent: int | None = None) -> dict:
+        """Samples for every request (of `agent`, whose adapter this engine may serve beside
+        its own), the weight version that drew them, and timing."""
         start = time.perf_counter()
-        outputs = self.engine.generate(requests) if requests else []
-        return {"outputs": outputs, "version": self.engine_version,
+        other = self._other(agent)
+        with self.engine_lock:
+            outputs = self.engine.generate(requests, other) if requests else []
+        version = self.engine_version if other is None else self.served_versions[other]
+        return {"outputs": outputs, "version": version,
                 "seconds": time.perf_counter() - start,
                 "tokens": sum(len(s["token_ids"]) for out in outputs for s in out)}
 
-    def update_weights(self, version: int, weights: dict) -> float:
+    def update_weights(self, version: int, weights: dict, agent: int | None = None) -> float:
         """Load `weights` (a state dict, or `workers.transports.buckets.pack_weights` of one) as
-        `version`; returns the seconds it took."""
+        `version` of `agent` (None: this worker's own); returns the seconds it took."""
         start = time.perf_counter()
         if isinstance(weights.get("weights"), dict):
             weights = unpack_weights(weights)
-        self.engine.load_weights(weights)
-        self.engine_version = int(version)
+        self._load(version, weights, agent)
         return time.perf_counter() - start
 
     def get_version(self) -> int:
         return self.engine_version
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self.engine.prompt_logprobs(token_ids)
+        with self.engine_lock:
+            return self.engine.prompt_logprobs(token_ids)
 
     def sleep(self) -> None:
         """Release the engine's GPU memory (vLLM sleep mode) while the learner trains."""

@@ -148,8 +148,8 @@ class LearnerEndpoint:
 
 
 class WorkerEndpoint:
-    """Receiver half, a base of `RolloutWorker` (which holds `self.engine` and
-    `self.engine_version`)."""
+    """Receiver half, a base of `RolloutWorker` (which holds `self.engine`, its lock,
+    `self.engine_version` and the versions of other agents it serves)."""
 
     _rx_group = None
 
@@ -192,9 +192,19 @@ class WorkerEndpoint:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def _load(self, version: int, weights: dict) -> None:
-        self.engine.load_weights(weights)
-        self.engine_version = int(version)
+    def _other(self, agent: int | None) -> int | None:
+        """`agent` if it is another agent than this worker's own, else None."""
+        return None if agent is None or agent == self.agent_index else int(agent)
+
+    def _load(self, version: int, weights: dict, agent: int | None = None) -> None:
+        """Load `weights` as `version` of `agent` (None: this worker's own agent)."""
+        other = self._other(agent)
+        with self.engine_lock:
+            self.engine.load_weights(weights, other)
+        if other is None:
+            self.engine_version = int(version)
+        else:
+            self.served_versions[other] = int(version)
 
 
 def _local_index_of(uuid: str | None) -> int:

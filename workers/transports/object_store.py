@@ -15,7 +15,7 @@ class ObjectStoreTransport(WeightTransport):
 
     def push(self, agent: int, learner: Any, workers: list, version: int) -> list:
         weights = learner.export_weights.remote()
-        return [w.update_weights.remote(version, weights) for w in workers]
+        return [w.update_weights.remote(version, weights, agent) for w in workers]
 
 
 class ColocatedTransport(ObjectStoreTransport):
