@@ -280,7 +280,8 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
         cmd = [str(python_of(side)), str(SCRIPT), "--model", str(model),
                "--phase-log", str(phase_log), "--out", str(tmp / "times.json"),
                "--checkpoint-dir", str(tmp / "checkpoints"),
-               "--epochs", str(EPOCHS[0]), "--resume-epochs", str(EPOCHS[1])]
+               "--epochs", str(EPOCHS[0]), "--resume-epochs", str(EPOCHS[1]),
+               "--agents", str(AGENTS)]
         if side in ("ours", "lora"):
             cmd += [arg for item in settings for arg in ("--setting", item)]
         if side == "lora":
@@ -380,9 +381,13 @@ def main() -> None:
     p.add_argument("--from-json", metavar="FILE", help="print a results file's tables and exit")
     p.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE",
                    help="a MAGRPOConfig field for our side (a Python literal); repeatable")
+    p.add_argument("--agents", type=int, default=AGENTS, choices=(1, 2, 3, 4),
+                   help="agents per run (the seed example's 2; B/param divides by them)")
     p.add_argument("--lora", action="append", default=[], metavar="FIELD=VALUE",
                    help="a LoraConfig field for the lora side (over LORA_DEFAULTS)")
     a = p.parse_args()
+    global AGENTS
+    AGENTS = a.agents
     if a.from_json:
         runs = json.loads(Path(a.from_json).read_text())["runs"]
         for r in runs:              # the phases again from the stored samples and spans
@@ -410,7 +415,8 @@ def main() -> None:
     params = {s: bl.param_count(models[s]) for s in sizes}
     tags = ["short" if a.short else "-".join(sizes) if sizes != DEFAULT_SIZES else "",
             "-".join(sides) if sides != list(SIDES) and not a.short else "",
-            "-".join(x.split("=")[0] for x in a.setting)]
+            "-".join(x.split("=")[0] for x in a.setting),
+            f"{AGENTS}agents" if AGENTS != 2 else ""]
     name = "_".join(["bench_memory", *(t for t in tags if t)])
     settings = {"sizes": sizes, "sides": sides, "params": params, "epochs": EPOCHS,
                 "agents": AGENTS, "interval_s": INTERVAL, "timeout_s": a.timeout,
@@ -430,7 +436,8 @@ def main() -> None:
             print(phase_table(run), flush=True)
             bl.write_results(name + "_partial", {"settings": settings, "comlrl_venv": versions,
                                                  "runs": runs})
-    print("\n## Summary (peaks over the whole run; B/param = peak / (2 agents x params))\n")
+    print(f"\n## Summary (peaks over the whole run; B/param = peak / ({AGENTS} agents x "
+          f"params))\n")
     print(summary_table(runs))
     path = bl.write_results(name, {"settings": settings, "comlrl_venv": versions,
                                    "runs": runs})

@@ -43,6 +43,8 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--resume-epochs", type=int, default=4)
 parser.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE",
                     help="a further MAGRPOConfig field (a Python literal), both trainers")
+parser.add_argument("--agents", type=int, default=2, choices=(1, 2, 3, 4),
+                    help="agents (the seed example has 2; others score the first and last)")
 parser.add_argument("--lora", action="append", default=[], metavar="FIELD=VALUE",
                     help="LoRA agents: peft.LoraConfig fields (Python literals), both trainers")
 cli = parser.parse_args()
@@ -117,6 +119,21 @@ spec.loader.exec_module(rewards)
 length_ratio_reward = rewards.length_ratio_reward
 
 
+def one_agent(completions1):
+    return length_ratio_reward(completions1, completions1)
+
+
+def three_agents(completions1, completions2, completions3):
+    return length_ratio_reward(completions1, completions3)
+
+
+def four_agents(completions1, completions2, completions3, completions4):
+    return length_ratio_reward(completions1, completions4)
+
+
+REWARD = {1: one_agent, 2: length_ratio_reward, 3: three_agents, 4: four_agents}[cli.agents]
+
+
 def build_trainer(num_train_epochs, wandb_config, agents=None):
     config = MAGRPOConfig(
         num_turns=1,
@@ -127,9 +144,9 @@ def build_trainer(num_train_epochs, wandb_config, agents=None):
         **SETTINGS,
     )
     return MAGRPOTrainer(
-        agents=agents or [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)],
+        agents=agents or [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(cli.agents)],
         tokenizer=tokenizer,
-        reward_func=length_ratio_reward,
+        reward_func=REWARD,
         train_dataset=train_dataset,
         args=config,
         wandb_config=wandb_config,
@@ -139,7 +156,7 @@ def build_trainer(num_train_epochs, wandb_config, agents=None):
 
 wandb_config = {"project": "comlrl-bench", "name": "bench-memory"}
 with phase("load models"):
-    agents = [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(2)]
+    agents = [AutoModelForCausalLM.from_pretrained(model_name) for _ in range(cli.agents)]
 T_MODELS = time.time()
 with phase("construct"):
     trainer = build_trainer(cli.epochs, wandb_config, agents)
