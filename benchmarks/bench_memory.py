@@ -375,6 +375,7 @@ def summary_table(runs: list[dict]) -> str:
 
 
 def main() -> None:
+    global AGENTS
     p = bl.size_parser(__doc__, "0.43M, ours only (a quick check, about a minute)")
     p.add_argument("--sides", default="ours,comlrl", help="any of ours, comlrl")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run")
@@ -386,7 +387,6 @@ def main() -> None:
     p.add_argument("--lora", action="append", default=[], metavar="FIELD=VALUE",
                    help="a LoraConfig field for the lora side (over LORA_DEFAULTS)")
     a = p.parse_args()
-    global AGENTS
     AGENTS = a.agents
     if a.from_json:
         runs = json.loads(Path(a.from_json).read_text())["runs"]

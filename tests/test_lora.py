@@ -303,13 +303,20 @@ def test_kill_9_just_after_a_checkpoint_then_resume_matches(lora_straight, tiny_
     ("r=16", "peft_config.r: checkpoint has [8, 8, 8], this run has [16, 16, 16]"),
     ("lora_alpha=32", "peft_config.lora_alpha: checkpoint has [16, 16, 16]"),
     ("target_modules=['q_proj', 'v_proj']", "peft_config.target_modules: checkpoint has"),
+    ("base", "models: checkpoint has"),
 ])
 def test_a_resume_with_other_adapter_settings_is_refused_naming_the_field(
         lora_straight, tiny_model, tmp_path, change, needle):
+    """A resume whose adapters differ in rank, alpha or target modules, or whose base is
+    another model (a tiny model of another seed), is refused before anything starts."""
     straight, _ = lora_straight
+    model, extra = tiny_model, ["--lora", change]
+    if change == "base":
+        from comlrl.tiny_model import build_tiny_model
+
+        model, extra = str(build_tiny_model(tmp_path / "other", seed=1)), []
     proc = subprocess.run(
-        _lora_cmd(tiny_model, tmp_path / "ckpt", 4, straight / "ckpt" / "checkpoint-2",
-                  "--lora", change), env=_env(tmp_path / "wandb"), capture_output=True,
-        text=True, timeout=300)
+        _lora_cmd(model, tmp_path / "ckpt", 4, straight / "ckpt" / "checkpoint-2", *extra),
+        env=_env(tmp_path / "wandb"), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "cannot resume" in proc.stderr and needle in proc.stderr, proc.stderr[-3000:]

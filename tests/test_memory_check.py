@@ -35,6 +35,24 @@ def test_the_estimate_adds_learner_engine_and_processes_per_agent():
     assert split.parts["processes"] > e.parts["processes"]      # 6 processes against 2
 
 
+
+def test_lora_agents_on_one_base_count_one_base_and_one_engine():
+    """Four LoRA agents (1% of each model trainable) whose adapters one engine serves (agents
+    1-3 engineless): AdamW over the adapters only, the base the learners map once, one
+    engine's weights and KV cache; four processes still."""
+    p, lora = 358_000_000, 3_580_000
+    e = estimate([p] * 4, colocated=True, engines_per_agent=1, engine_bytes_per_param=4,
+                 reference=False, kv_cache_bytes=10_000_000, trainable=[lora] * 4,
+                 engineless=[1, 2, 3])
+    assert e.parts["learner weights + AdamW"] == 4 * p + 8 * 4 * lora
+    assert e.parts["engine weights"] == 4 * p
+    assert e.parts["KV caches"] == 10_000_000
+    full = estimate([p] * 4, colocated=True, engines_per_agent=1, engine_bytes_per_param=4,
+                    reference=False, kv_cache_bytes=10_000_000)
+    assert e.parts["processes"] == full.parts["processes"]
+    assert full.parts["learner weights + AdamW"] == 48 * p and full.parts["engine weights"] \
+        == 16 * p
+
 def test_a_run_that_will_not_fit_is_refused_naming_the_settings_that_help():
     p = 494_000_000
     need = estimate([p] * 4, colocated=False, engines_per_agent=2, engine_bytes_per_param=4,

@@ -68,7 +68,8 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference copy
     (4) with reference KL; a LoRA agent's AdamW holds only its `trainable` parameters' moments
     (its frozen base: 4 bytes per parameter), and the agents in `engineless` (LoRA agents
-    whose adapter another agent's engine serves) have no first engine of their own;
+    whose adapter another agent's engine serves) have no first engine of their own, and map
+    the base file of that agent's learner (one copy);
     activations (`activation_bytes` per agent, from
     `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in
     its dtype plus its KV cache; one process per learner and per engine (one per agent when
@@ -79,8 +80,10 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     parts: dict[str, int] = {}
     total_params = sum(params)
     if not learner_on_gpu:
-        parts["learner weights + AdamW"] = 4 * total_params + 8 * sum(
-            params if trainable is None else trainable)
+        # An engineless agent's base is the file its engine's agent maps too: one copy.
+        moments = 8 * sum(params if trainable is None else trainable)
+        parts["learner weights + AdamW"] = \
+            4 * (total_params - sum(params[a] for a in engineless)) + moments
         parts["activations"] = (sum(activation_bytes) if activation_bytes is not None
                                 else int(ACTIVATION_FRACTION * 12 * total_params))
         if reference:
