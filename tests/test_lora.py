@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from comlrl.checkpoint import read_checkpoint_metadata
-from tests.conftest import ROOT, wandb_history
-from tests.test_resume import _env, _run
+from tests.conftest import ROOT
+from tests.test_resume import _assert_same_curves, _env, _run
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 COMPARED = ("turn_1/reward_mean", "turn_1/expected_return", "agent_0/loss", "agent_1/loss",
@@ -33,14 +32,6 @@ def _lora_cmd(model, ckpt, epochs, resume=None, *extra):
     cmd = [sys.executable, str(ROOT / "tests" / "lora_script.py"), "--model", model,
            "--checkpoint-dir", str(ckpt), "--epochs", str(epochs)]
     return cmd + (["--resume", str(resume)] if resume else []) + list(extra)
-
-
-def _by_step(history):
-    out = {}
-    for rec in history:
-        assert rec["_step"] not in out, f"env_step {rec['_step']} logged twice"
-        out[rec["_step"]] = {k: rec[k] for k in COMPARED if k in rec}
-    return out
 
 
 def _adapters(checkpoint: Path) -> list[dict]:
@@ -224,12 +215,8 @@ def test_lora_agents_resume_bit_for_bit_and_save_adapters(lora_straight, tiny_mo
     ckpt, env = tmp_path / "ckpt", _env(tmp_path / "wandb")
     _run(_lora_cmd(tiny_model, ckpt, 2), env)
     _run(_lora_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2"), env)
-    run_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
-    got = _by_step(wandb_history(tmp_path / "wandb", run_id))
-    want = _by_step(wandb_history(straight / "wandb"))
-    assert sorted(got) == sorted(want) == list(range(8, 65, 8))
-    for step in want:
-        assert got[step] == want[step], step
+    got = _assert_same_curves(ckpt, tmp_path / "wandb", straight / "wandb", COMPARED)
+    assert sorted(got) == list(range(8, 65, 8))
     _same_adapters(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
     # The adapters trained: lora_B left zero.
     assert any((v != 0).any() for v in _adapters(ckpt / "checkpoint-4")[0].values())
@@ -289,12 +276,7 @@ def test_kill_9_just_after_a_checkpoint_then_resume_matches(lora_straight, tiny_
 
     newest = list_checkpoints(str(ckpt))[-1]
     _run(_lora_cmd(tiny_model, ckpt, 4, newest), env)
-    run_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
-    got = _by_step(wandb_history(tmp_path / "wandb", run_id))
-    want = _by_step(wandb_history(straight / "wandb"))
-    assert sorted(got) == sorted(want)
-    for step in want:
-        assert got[step] == want[step], step
+    _assert_same_curves(ckpt, tmp_path / "wandb", straight / "wandb", COMPARED)
     _same_adapters(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
 
 

@@ -56,12 +56,26 @@ def _run(cmd, env, timeout=420):
     return proc
 
 
-def _by_step(history):
+def _by_step(history, compared=COMPARED):
     out = {}
     for rec in history:
         assert rec["_step"] not in out, f"env_step {rec['_step']} logged twice"
-        out[rec["_step"]] = {k: rec[k] for k in COMPARED if k in rec}
+        out[rec["_step"]] = {k: rec[k] for k in compared if k in rec}
     return out
+
+
+def _assert_same_curves(ckpt: Path, wandb_dir: Path, straight_wandb: Path,
+                        compared=COMPARED) -> dict:
+    """The run whose newest checkpoint is ckpt/checkpoint-4 logged, into one W&B run under
+    `wandb_dir`, every env_step once with exactly the `compared` values of the straight
+    run's; returns its values by step."""
+    run_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
+    got = _by_step(wandb_history(wandb_dir, run_id), compared)
+    want = _by_step(wandb_history(straight_wandb), compared)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == want[step], step
+    return got
 
 
 def _weights(folder: Path) -> dict:
@@ -199,12 +213,8 @@ def test_gradient_checkpointing_changes_no_value_and_may_change_on_resume(straig
     env = _env(tmp_path / "wandb")
     _run(_seed_cmd(tiny_model, ckpt, 2, None, "gradient_checkpointing=True"), env)
     _run(_seed_cmd(tiny_model, ckpt, 4, ckpt / "checkpoint-2"), env)
-    run_id = read_checkpoint_metadata(ckpt / "checkpoint-4")["wandb"]["id"]
-    got = _by_step(wandb_history(tmp_path / "wandb", run_id))
-    want = _by_step(wandb_history(straight / "wandb"))
-    assert sorted(got) == sorted(want) == list(range(8, 65, 8))
-    for step in want:
-        assert got[step] == want[step], step
+    got = _assert_same_curves(ckpt, tmp_path / "wandb", straight / "wandb")
+    assert sorted(got) == list(range(8, 65, 8))
     _same_weights(straight / "ckpt" / "checkpoint-4", ckpt / "checkpoint-4")
 
 
