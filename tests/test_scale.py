@@ -210,8 +210,11 @@ def _trainer(tiny_model, wandb_config=None, **overrides):
 @pytest.mark.e2e
 def test_impossible_placement_fails_at_once(ray_session, tiny_model):
     start = time.time()
+    # One CPU more than the node has (2 under ray_session; more if an earlier test's
+    # trainer started this process's Ray itself).
+    too_many = int(ray_session.cluster_resources()["CPU"]) + 1
     with pytest.raises(ValueError, match="rollout_num_cpus"):
-        _trainer(tiny_model, rollout_num_cpus=3).train()          # the node has 2
+        _trainer(tiny_model, rollout_num_cpus=too_many).train()
     with pytest.raises(ValueError, match=r"rollout_resources\['rollout_node'\]"):
         _trainer(tiny_model, rollout_resources={"rollout_node": 1}).train()
     assert time.time() - start < 60
