@@ -554,13 +554,15 @@ def test_actors_import_their_stack_without_the_collector_then_free_its_garbage_o
 
 
 @pytest.mark.e2e
-def test_a_host_runs_at_its_learners_threads_and_copies_its_weights_in_process(ray_session,
-                                                                               tiny_model):
-    """An agent host (workers/roles/agent_host.py) asked for 1 engine thread and 2 learner threads
-    runs at 2: vLLM makes `torch.set_num_threads` a no-op once its engine has started, so the
-    host starts the engine with the learner's count. After an update, `load_own_weights` puts
-    the learner's weights into the host's own engine: the engine scores a completion as the
-    learner's weights do, and its outputs carry the new version."""
+def test_a_host_keeps_its_engine_and_learner_threads_and_copies_its_weights_in_process(
+        ray_session, tiny_model):
+    """An agent host (workers/roles/agent_host.py) asked for 1 engine thread and 2 learner
+    threads runs each call at its own count, set in the calling thread (vLLM makes
+    `torch.set_num_threads` a no-op once its engine has started, and a host's calls run in pool
+    threads): a learner call at 2 and an engine call at 1, in either order, in one thread.
+    After an update, `load_own_weights` puts the learner's weights into the host's own engine:
+    the engine scores a completion as the learner's weights do, and its outputs carry the new
+    version."""
     import ray
 
     from tests.learner_probe import sequence_logprobs
@@ -573,10 +575,18 @@ def test_a_host_runs_at_its_learners_threads_and_copies_its_weights_in_process(r
     host = start_actor(AgentHost, Placement(0.5), 0, tiny_model, "vllm", sampling,
                        dict(kv_cache_memory_bytes=64 << 20, threads=1),
                        dict(learning_rate=1e-2, train_batch_size=2, threads=2))
+
+    def counts(self):
+        import torch
+
+        seen = []
+        for ready in (self._own_threads, self.engine._ready, self._own_threads):
+            ready()
+            seen.append(torch.get_num_threads())
+        return seen
+
     try:
-        threads = ray.get(host.__ray_call__.remote(
-            lambda self: __import__("torch").get_num_threads()))
-        assert threads == 2
+        assert ray.get(host.__ray_call__.remote(counts)) == [2, 1, 2]
         prompt = [30, 31, 32, 33]
         out = ray.get(host.generate.remote([{"prompt_ids": prompt, "n": 2, "seed": 3}]))
         assert out["version"] == 0

@@ -105,6 +105,9 @@ class HFEngine:
 
         if threads:
             torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()
+        """Set again in each call's thread: an agent host's learner runs at its own count
+        in the same process (`Learner._own_threads`)."""
         kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
         self.model = load_causal_lm(model_path, **kwargs)
         self.lora = adapter_folder(model_path) is not None   # a LoRA agent: the base + adapter
@@ -125,6 +128,7 @@ class HFEngine:
         """`adapter` must be None: an HF engine serves one agent."""
         import torch
 
+        torch._C.set_num_threads(self.threads)
         s = self.sampling
         results = []
         for req in requests:
@@ -172,6 +176,7 @@ class HFEngine:
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         import torch
 
+        torch._C.set_num_threads(self.threads)
         with torch.inference_mode():
             ids = torch.tensor([token_ids], device=self.device)
             logits = self.model(ids).logits.float()

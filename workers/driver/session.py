@@ -234,10 +234,15 @@ class Session:
         # Threads follow the real cores of a Ray we started (its CPU count may be larger).
         cores = max(1, (os.cpu_count() or 1) if self.started_ray
                     else int(ray.cluster_resources().get("CPU", 1)))
-        settings = actor_settings(trainer, plan, cores,
-                                  trainer.num_agents * args.rollout_workers_per_agent)
-        settings["engine_leaders"] = lora_engine_groups(trainer, folders, settings,
-                                                        "host" in plan and not self.for_eval)
+        n_workers = trainer.num_agents * args.rollout_workers_per_agent
+        settings = actor_settings(trainer, plan, cores, n_workers)
+        leaders = lora_engine_groups(trainer, folders, settings,
+                                     "host" in plan and not self.for_eval)
+        if len(set(leaders)) < len(leaders):
+            # Engines shared by several LoRA agents: the cores split among the engines started.
+            settings = actor_settings(trainer, plan, cores,
+                                      n_workers - len(leaders) + len(set(leaders)))
+        settings["engine_leaders"] = leaders
         key = self.actor_key = warm_key(settings, needs, plan, folders, self.logs.folder,
                                         args.ray_address)
         # Actors a clean train() of this process parked (workers/driver/actors.py), if they fit.

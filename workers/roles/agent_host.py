@@ -9,9 +9,11 @@ store (`workers.transports.object_store.ColocatedTransport`). The driver still s
 and one worker 0 per agent: both are this actor's handle, so generation, updates, checkpoints
 and resume are unchanged.
 
-The engine is built first: vLLM reseeds the global RNGs and fixes torch's thread count while it
-starts. The learner then restores the RNG state the process began with (`Learner.__init__`),
-and the engine was started with the learner's thread count, so the learner computes what a
+The engine is built first: vLLM reseeds the global RNGs while it starts, and the learner then
+restores the RNG state the process began with (`Learner.__init__`). Engine and learner keep
+their own thread counts, each set in the calling thread at the start of its calls
+(`VllmEngine._ready`, `Learner._own_threads`): an engine that serves several agents' adapters
+runs at the cores one engine gets, its learner at a learner's, so the learner computes what a
 learner in its own process computes.
 """
 
@@ -36,18 +38,13 @@ class AgentHost(Learner, LearnerEndpoint, RolloutWorker):
         # The learner starts from the RNG state of a new process, as a learner in its own
         # process does, not from the state vLLM's seeding leaves (`Learner.__init__`).
         self.initial_rng = torch.random.get_rng_state()
-        # vLLM fixes torch's thread count once its engine starts (`torch.set_num_threads`
-        # becomes a no-op), so the engine starts with the learner's count: the two take turns
-        # in this process, and learning is the larger share of an epoch.
-        threads = learner_kwargs.get("threads") or engine_kwargs.get("threads")
         # One folder for both: a packed model is written out once, and removed after both
         # have loaded it.
         # engine None: a LoRA agent whose adapter another host's engine serves (one engine
         # per base, workers/driver/actors.lora_engine_groups); this host holds its learner.
         with model_folder(model_source) as folder:
             if engine is not None:
-                RolloutWorker.__init__(self, agent_index, folder, engine, sampling,
-                                       {**engine_kwargs, "threads": threads})
+                RolloutWorker.__init__(self, agent_index, folder, engine, sampling, engine_kwargs)
             Learner.__init__(self, agent_index, folder, **learner_kwargs)
 
     def reinit(self, agent_index: int, model_source: str | dict, engine: str, sampling: dict,

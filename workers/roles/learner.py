@@ -53,8 +53,8 @@ class Learner:
         if not hasattr(self, "initial_rng"):
             self.initial_rng = torch.random.get_rng_state()
         torch.random.set_rng_state(self.initial_rng)
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = threads
+        self._own_threads()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.agent_index = agent_index
@@ -121,6 +121,7 @@ class Learner:
         """
         import torch
 
+        self._own_threads()
         self._wait_write()
         self.on_disk = None
         kls = self.reference_kls(groups) if self.reference is not None else None
@@ -173,6 +174,16 @@ class Learner:
                 per_turn.setdefault(int(g.get("turn", 0)), []).extend(k)
             out["reference_kl"] = {t: sum(v) / len(v) for t, v in per_turn.items()}
         return out
+
+    def _own_threads(self) -> None:
+        """OpenMP in the calling thread at this learner's count. An agent host runs its calls
+        in pool threads and its engine sets another count in its own calls
+        (`workers.engines.VllmEngine._ready`); torch._C's setter, since vLLM has turned
+        `torch.set_num_threads` into a no-op in a process where it runs."""
+        import torch
+
+        if self.threads:
+            torch._C.set_num_threads(self.threads)
 
     def reference_kls(self, groups: list[dict]) -> list[list[float]]:
         """Sequence KL to the reference of every completion, under the weights that sampled it.
