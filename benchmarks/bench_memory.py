@@ -125,6 +125,16 @@ def process_bytes(pid: int) -> int:
     return 0
 
 
+def process_name(pid: int) -> str:
+    """A process's command line, cut to 60 characters (Ray's actors show their title)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+    except OSError:
+        return "?"
+    return " ".join(w.rsplit("/", 1)[-1] if i == 0 else w for i, w in enumerate(words))[:60]
+
+
 def others_bytes(exclude: set[int], everyone: list[int] | None = None) -> int:
     """Pss_Anon + Pss_Shmem of every process but `exclude` (the run's): what the rest of the
     machine holds, to tell its changes from the run's in the machine-wide number."""
@@ -156,6 +166,9 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.proc, self.idle, self.others_idle = proc, idle, others_idle
         self.samples: list[tuple[float, int, int, int, int]] = []
+        self.peaks: dict[int, tuple[int, str]] = {}
+        """Each process's peak Pss_Anon + Pss_Shmem, and its name then (Ray's process title
+        names the actor and its method): which process holds what."""
 
     def run(self) -> None:
         others = self.others_idle
@@ -163,7 +176,11 @@ class Sampler(threading.Thread):
             t = time.time()
             everyone: list[int] = []
             pids = descendants(self.proc.pid, everyone)
-            pss = sum(process_bytes(p) for p in pids)
+            each = {p: process_bytes(p) for p in pids}
+            pss = sum(each.values())
+            for p, b in each.items():
+                if b > self.peaks.get(p, (-1, ""))[0]:
+                    self.peaks[p] = (b, process_name(p))
             if len(self.samples) % OTHERS_EVERY == 0:
                 others = others_bytes(set(pids) | {os.getpid()}, everyone)
             self.samples.append((t, used_bytes() - self.idle, pss, len(pids),
@@ -327,6 +344,8 @@ def run_one(size: str, side: str, model: Path, params: int, timeout: float,
         "traced_methods": times.get("traced_methods"),
         "spans": [(n, a - start, b - start) for n, a, b in spans],
         "samples": [(round(t - start, 2), *rest) for t, *rest in samples],
+        "process_peaks": sorted(([name, b] for b, name in sampler.peaks.values()),
+                                key=lambda x: -x[1]),
         "log": str(log_path),
     }
 
@@ -358,6 +377,13 @@ def phase_table(run: dict) -> str:
     return bl.table(["phase (innermost)", "used GB", "used-others GB", "B/param",
                      "tree PSS GB", "PSS B/param", "phase s (all calls)", "samples",
                      "processes"], rows)
+
+
+def process_table(run: dict, top: int = 10) -> str:
+    """The processes that held the most at their own peaks (these need not coincide)."""
+    rows = [[name, gb(b), per_byte(b, run["params"])]
+            for name, b in run.get("process_peaks", [])[:top]]
+    return bl.table(["process (at its peak)", "Pss_Anon+Shmem GB", "B/param"], rows)
 
 
 def summary_table(runs: list[dict]) -> str:
@@ -434,6 +460,7 @@ def main() -> None:
             print(f"\n## {size} {side}: {run['outcome']}, {run['wall_s']:.0f} s; "
                   f"{AGENTS} x {params[size] / 1e6:.2f}M parameters; {monitor.line()}\n")
             print(phase_table(run), flush=True)
+            print(f"\n{process_table(run)}", flush=True)
             bl.write_results(name + "_partial", {"settings": settings, "comlrl_venv": versions,
                                                  "runs": runs})
     print(f"\n## Summary (peaks over the whole run; B/param = peak / ({AGENTS} agents x "

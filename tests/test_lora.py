@@ -104,6 +104,58 @@ def test_adapters_are_the_same_in_every_process_and_differ_per_agent(tiny_model,
     assert base.keys() == own.keys() and all((base[k] == own[k]).all() for k in own)
 
 
+def test_learners_of_one_linked_base_take_turns_in_their_updates(tiny_model, tmp_path):
+    """Two CPU learners with `take_turns` whose folders hard-link one base file (as
+    `save_models` links a group's base) update one at a time: while the first is inside its
+    update, the second does not begin (it waits for the first's turn to end). Learners of
+    two separate copies of the base do not wait for each other."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+    from peft import LoraConfig
+
+    from comlrl import lora
+    from workers.roles.learner import Learner
+
+    ms = [AutoModelForCausalLM.from_pretrained(tiny_model) for _ in range(3)]
+    ps = lora.make_lora_agents(ms, LoraConfig(r=8, target_modules=TARGETS), 42)
+    lora.save_lora_folder(ps[0], tmp_path / "a0")
+    lora.save_lora_folder(ps[1], tmp_path / "a1", base_from=tmp_path / "a0")   # linked
+    lora.save_lora_folder(ps[2], tmp_path / "b")                               # a copy
+    groups = [{"prompt_ids": [3, 4, 5], "completions": [[6, 7], [8, 9, 10]],
+               "returns": [1.0, 0.0], "turn": 0}]
+
+    def overlapped(first: str, second: str) -> bool:
+        a, b = (Learner(i, str(tmp_path / f), learning_rate=1e-3, train_batch_size=1,
+                        device="cpu", threads=1, take_turns=True)
+                for i, f in enumerate((first, second)))
+        a_in, b_in, seen = threading.Event(), threading.Event(), []
+        inner_a, inner_b = a._update, b._update
+
+        def a_update(*args):
+            a_in.set()
+            seen.append(b_in.wait(timeout=3.0))     # does b get in while a is inside?
+            return inner_a(*args)
+
+        def b_update(*args):
+            b_in.set()
+            return inner_b(*args)
+
+        a._update, b._update = a_update, b_update
+        first_thread = threading.Thread(target=a.update, args=(groups, 0))
+        first_thread.start()
+        assert a_in.wait(timeout=30)
+        second_thread = threading.Thread(target=b.update, args=(groups, 0))
+        second_thread.start()
+        first_thread.join()
+        second_thread.join()
+        assert b_in.is_set()                      # b did update, once a was done
+        return seen[0]
+
+    assert overlapped("a0", "a1") is False
+    assert overlapped("a0", "b") is True
+
+
 def test_peft_config_other_than_lora_is_refused_naming_the_field():
     from peft import LoraConfig, PromptTuningConfig
 

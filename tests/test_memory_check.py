@@ -39,12 +39,14 @@ def test_the_estimate_adds_learner_engine_and_processes_per_agent():
 def test_lora_agents_on_one_base_count_one_base_and_one_engine():
     """Four LoRA agents (1% of each model trainable) whose adapters one engine serves (agents
     1-3 engineless): AdamW over the adapters only, the base the learners map once, one
-    engine's weights and KV cache; four processes still."""
+    engine's weights and KV cache, one update's activations (the group's learners take
+    turns); four processes still."""
     p, lora = 358_000_000, 3_580_000
     e = estimate([p] * 4, colocated=True, engines_per_agent=1, engine_bytes_per_param=4,
                  reference=False, kv_cache_bytes=10_000_000, trainable=[lora] * 4,
-                 engineless=[1, 2, 3])
+                 engineless=[1, 2, 3], activation_bytes=[100, 200, 300, 400])
     assert e.parts["learner weights + AdamW"] == 4 * p + 8 * 4 * lora
+    assert e.parts["activations"] == 100
     assert e.parts["engine weights"] == 4 * p
     assert e.parts["KV caches"] == 10_000_000
     full = estimate([p] * 4, colocated=True, engines_per_agent=1, engine_bytes_per_param=4,

@@ -120,6 +120,24 @@ def lora_engine_groups(trainer: Any, folders: list[str], settings: dict, hosts: 
     return leaders
 
 
+def share_engines(settings: dict, args: Any, cores: int, leaders: list[int],
+                  n_workers: int) -> dict:
+    """`settings` for engines shared as `leaders` says (`lora_engine_groups`). The cores split
+    among the engines started, and the learners of a group take turns in their updates on
+    CPU (`workers.roles.learner.UpdateTurns`: one update's working memory per group, not one
+    per agent), so they split among the groups: each runs at the cores one update gets."""
+    settings = {**settings, "engine_leaders": list(leaders)}
+    groups = len(set(leaders))
+    if groups == len(leaders):
+        return settings
+    settings["engine_kwargs"] = {**settings["engine_kwargs"], "threads": args.rollout_threads
+                                 or max(1, cores // (n_workers - len(leaders) + groups))}
+    settings["learner"] = [
+        {**kw, "take_turns": True, "threads": args.learner_threads or max(1, cores // groups)}
+        if leaders.count(leaders[a]) > 1 else kw for a, kw in enumerate(settings["learner"])]
+    return settings
+
+
 def _in_blocks(tokens: int | None) -> int | None:
     return tokens and kv_blocks(tokens) * KV_BLOCK_TOKENS
 

@@ -68,8 +68,9 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     gradients live one parameter at a time, workers/learner.step_in_backward), a reference copy
     (4) with reference KL; a LoRA agent's AdamW holds only its `trainable` parameters' moments
     (its frozen base: 4 bytes per parameter), and the agents in `engineless` (LoRA agents
-    whose adapter another agent's engine serves) have no first engine of their own, and map
-    the base file of that agent's learner (one copy);
+    whose adapter another agent's engine serves) have no first engine of their own, map
+    the base file of that agent's learner (one copy) and update in turn with it (no
+    activations of their own);
     activations (`activation_bytes` per agent, from
     `update_activation_bytes`, else ACTIVATION_FRACTION of the 12); each engine's weights in
     its dtype plus its KV cache; one process per learner and per engine (one per agent when
@@ -84,8 +85,12 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
         moments = 8 * sum(params if trainable is None else trainable)
         parts["learner weights + AdamW"] = \
             4 * (total_params - sum(params[a] for a in engineless)) + moments
-        parts["activations"] = (sum(activation_bytes) if activation_bytes is not None
-                                else int(ACTIVATION_FRACTION * 12 * total_params))
+        # Engineless agents' learners take turns with their engine's agent: one update's
+        # working memory per group (workers.roles.learner.UpdateTurns).
+        parts["activations"] = (
+            sum(b for a, b in enumerate(activation_bytes) if a not in engineless)
+            if activation_bytes is not None else int(ACTIVATION_FRACTION * 12 * (
+                total_params - sum(params[a] for a in engineless))))
         if reference:
             parts["reference models"] = 4 * total_params
     if not engines_on_gpu:

@@ -36,6 +36,7 @@ from workers.driver.actors import (
     connect_transport,
     drop_warm,
     lora_engine_groups,
+    share_engines,
     park,
     reinit_learners,
     save_models,
@@ -238,11 +239,7 @@ class Session:
         settings = actor_settings(trainer, plan, cores, n_workers)
         leaders = lora_engine_groups(trainer, folders, settings,
                                      "host" in plan and not self.for_eval)
-        if len(set(leaders)) < len(leaders):
-            # Engines shared by several LoRA agents: the cores split among the engines started.
-            settings = actor_settings(trainer, plan, cores,
-                                      n_workers - len(leaders) + len(set(leaders)))
-        settings["engine_leaders"] = leaders
+        settings = share_engines(settings, args, cores, leaders, n_workers)
         key = self.actor_key = warm_key(settings, needs, plan, folders, self.logs.folder,
                                         args.ray_address)
         # Actors a clean train() of this process parked (workers/driver/actors.py), if they fit.

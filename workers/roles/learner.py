@@ -6,6 +6,9 @@ A plain class (unit-testable without Ray); `workers.ray_calls.start_actor` wraps
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import os
 import random
 import threading
 from pathlib import Path
@@ -43,7 +46,7 @@ class Learner:
                  train_batch_size: int, loss_aggregation: str = "sequence",
                  advantage_mode: str = "mean", advantage_normalization: bool = True,
                  reference_kl_coef: float | None = None, gradient_checkpointing: bool = False,
-                 device: str = "auto", threads: int | None = None):
+                 device: str = "auto", threads: int | None = None, take_turns: bool = False):
         with imports_without_gc():
             import torch
             import transformers  # noqa: F401  (its long import, with the collector off)
@@ -87,6 +90,8 @@ class Learner:
                 self.reference = load_agent_model(path, adapter, trainable=False)
                 self.reference.to(device).eval().requires_grad_(False)
             folder = Path(path)
+            self.turns = UpdateTurns(folder) if take_turns and self.lora and device == "cpu" \
+                else None
             self.tokenizer_files = {  # kept to write beside the weights in every checkpoint
                 f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and
                 f.name.startswith(TOKENIZER_FILES)} if folder.is_dir() else {}
@@ -119,11 +124,17 @@ class Learner:
         after the reference-KL penalty when enabled. Groups are shuffled with `shuffle_seed`
         (like comlrl's shuffle, but reproducible) and each mini-batch is ONE padded forward.
         """
-        import torch
-
         self._own_threads()
         self._wait_write()
         self.on_disk = None
+        if self.turns is not None:
+            with self.turns:
+                return self._update(groups, shuffle_seed)
+        return self._update(groups, shuffle_seed)
+
+    def _update(self, groups: list[dict], shuffle_seed: int) -> dict[str, Any]:
+        import torch
+
         kls = self.reference_kls(groups) if self.reference is not None else None
         for i, g in enumerate(groups):
             returns = g["returns"]
@@ -460,3 +471,31 @@ def _cpu_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_cpu_copy(v) for v in value)
     return value
+
+
+class UpdateTurns:
+    """LoRA learners of one base on one machine's CPU update one at a time (`take_turns`):
+    each holds an update's working memory, which glibc keeps after it (`ENGINE_ENV`), so
+    four such learners held four; taking turns, each gives it back (`malloc_trim`) before the
+    next begins. The turn is an exclusive `flock` on the base weights file, which the group's
+    folders hard-link (`workers.driver.actors.save_models`): learners loaded from one
+    file contend, others (another base, another machine's copy) never do; a killed learner's
+    lock goes with its process. The cores are no loss: the group's learners run at the
+    cores one update gets (`workers.driver.session`)."""
+
+    def __init__(self, folder: Path):
+        base = sorted(folder.glob("*.safetensors"))[0]
+        self.fd = os.open(base, os.O_RDONLY)      # kept: the file may be removed meanwhile
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
