@@ -492,7 +492,9 @@ class UpdateTurns:
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            ctypes.CDLL(None).malloc_trim(0)
+            trim = getattr(ctypes.CDLL(None), "malloc_trim", None)     # glibc's
+            if trim is not None:
+                trim(0)
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
