@@ -85,7 +85,7 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=plan["gpu_memory_utilization"],
             enable_sleep_mode=args.enable_sleep_mode, seed=args.seed,
-            threads=args.rollout_threads or max(1, cores // n_workers)),
+            threads=threads_each(args.rollout_threads, cores, n_workers)),
         "learner": [dict(learning_rate=args.agent_learning_rate,
                          train_batch_size=args.train_batch_size,
                          loss_aggregation=args.loss_aggregation,
@@ -95,7 +95,7 @@ def actor_settings(trainer: Any, plan: dict, cores: int, n_workers: int) -> dict
                          reference_kl_coef=(args.reference_kl_coef
                                             if args.reference_kl_enabled else None),
                          device=args.learner_device_for(a, trainer.num_agents),
-                         threads=args.learner_threads or max(1, cores // trainer.num_agents))
+                         threads=threads_each(args.learner_threads, cores, trainer.num_agents))
                     for a in range(trainer.num_agents)],
     }
 
@@ -130,12 +130,18 @@ def share_engines(settings: dict, args: Any, cores: int, leaders: list[int],
     groups = len(set(leaders))
     if groups == len(leaders):
         return settings
-    settings["engine_kwargs"] = {**settings["engine_kwargs"], "threads": args.rollout_threads
-                                 or max(1, cores // (n_workers - len(leaders) + groups))}
+    settings["engine_kwargs"] = {**settings["engine_kwargs"], "threads": threads_each(
+        args.rollout_threads, cores, n_workers - len(leaders) + groups)}
     settings["learner"] = [
-        {**kw, "take_turns": True, "threads": args.learner_threads or max(1, cores // groups)}
+        {**kw, "take_turns": True, "threads": threads_each(args.learner_threads, cores, groups)}
         if leaders.count(leaders[a]) > 1 else kw for a, kw in enumerate(settings["learner"])]
     return settings
+
+
+def threads_each(setting: int | None, cores: int, actors: int) -> int:
+    """The torch threads of each of `actors` that run at once: the config's `setting`
+    (rollout_threads, learner_threads), else an even share of the cores."""
+    return setting or max(1, cores // actors)
 
 
 def _in_blocks(tokens: int | None) -> int | None:

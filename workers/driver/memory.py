@@ -80,22 +80,22 @@ def estimate(params: list[int], *, colocated: bool, engines_per_agent: int,
     peak."""
     parts: dict[str, int] = {}
     total_params = sum(params)
+    engineless_params = sum(params[a] for a in engineless)
     if not learner_on_gpu:
         # An engineless agent's base is the file its engine's agent maps too: one copy.
         moments = 8 * sum(params if trainable is None else trainable)
-        parts["learner weights + AdamW"] = \
-            4 * (total_params - sum(params[a] for a in engineless)) + moments
+        parts["learner weights + AdamW"] = 4 * (total_params - engineless_params) + moments
         # Engineless agents' learners take turns with their engine's agent: one update's
         # working memory per group (workers.roles.learner.UpdateTurns).
         parts["activations"] = (
             sum(b for a, b in enumerate(activation_bytes) if a not in engineless)
-            if activation_bytes is not None else int(ACTIVATION_FRACTION * 12 * (
-                total_params - sum(params[a] for a in engineless))))
+            if activation_bytes is not None
+            else int(ACTIVATION_FRACTION * 12 * (total_params - engineless_params)))
         if reference:
             parts["reference models"] = 4 * total_params
     if not engines_on_gpu:
         parts["engine weights"] = engine_bytes_per_param * (
-            engines_per_agent * total_params - sum(params[a] for a in engineless))
+            engines_per_agent * total_params - engineless_params)
         parts["KV caches"] = (engines_per_agent * len(params) - len(engineless)) * kv_cache_bytes
     parts["final weights in the user's models"] = user_bytes_per_param * total_params
     processes = len(params) * (engines_per_agent + (0 if colocated else 1))
